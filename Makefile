@@ -1,0 +1,36 @@
+# make demo  - set up everything on a fresh machine and train Fashion-MNIST for one epoch
+# make test  - set up everything (with dev extras and data) and run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install data demo test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+# Fashion-MNIST offline from Debian's dataset-fashion-mnist where apt is available; otherwise
+# torchvision downloads it on first use.
+data:
+	@if [ -d $(FASHION_MNIST) ]; then echo "Fashion-MNIST found in $(FASHION_MNIST)"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist >/dev/null \
+		|| echo "warning: could not install dataset-fashion-mnist; torchvision will download Fashion-MNIST"; \
+	else echo "no apt-get: torchvision will download Fashion-MNIST on first use"; fi
+
+demo: install data
+	@start=$$(date +%s); \
+	$(BIN)/accel-train train fashion_mnist_cnn train.epochs=1 output_dir=runs/demo && \
+	echo "demo wall time: $$(( $$(date +%s) - start )) s (setup excluded); results in runs/demo"
+
+test: install data
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

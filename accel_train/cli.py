@@ -1,0 +1,83 @@
+"""accel-train command line. Heavy imports (torch, accelerate) happen only inside the commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from accel_train.errors import UserError
+
+USAGE = """\
+accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a shipped name or a YAML file
+accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate exported weights (a run's output_dir)
+accel-train recipes                                      list shipped recipes
+accel-train keys                                         list every config key with its meaning
+
+Multi-process: accelerate launch --config_file accelerate_configs/multi_gpu.yaml -m accel_train train RECIPE
+           or: torchrun --nproc_per_node N -m accel_train train RECIPE
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="accel-train", description="Train PyTorch models on 1 GPU, N GPUs or N "
+                                     "machines with one code path (Hugging Face Accelerate).", usage=USAGE)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in (("train", "train a recipe"), ("eval", "evaluate a run's exported model")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("recipe", help="shipped recipe name (see `accel-train recipes`) or path to a YAML file")
+        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.lr=0.01")
+    commands.add_parser("recipes", help="list shipped recipes")
+    commands.add_parser("keys", help="list config keys")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        _run(args)
+    except UserError as err:
+        _report(err)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _report(err: UserError) -> None:
+    from accel_train.distributed import is_reporting_process
+
+    if is_reporting_process():
+        print(f"accel-train: error: {err}", file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from accel_train.config import describe_keys, list_recipes, load_config
+
+    if args.command == "recipes":
+        for name, description in list_recipes().items():
+            print(f"{name:24s} {description}")
+        return
+    if args.command == "keys":
+        for key, type_name, text, default in describe_keys():
+            print(f"{key:24s} {type_name:12s} default {default!s:10s} {text}")
+        return
+    overrides = list(args.overrides)
+    checkpoint = None
+    if args.command == "eval":
+        given = [o for o in overrides if o.startswith("checkpoint=")]
+        if not given:
+            raise UserError("eval needs checkpoint=PATH (a run's output_dir or its model.safetensors)")
+        checkpoint = given[-1].partition("=")[2]
+        overrides = [o for o in overrides if not o.startswith("checkpoint=")]
+    config = load_config(args.recipe, overrides)
+
+    from accel_train import loop  # imports torch: only now that the config is known to be valid
+
+    if args.command == "train":
+        loop.train(config)
+    else:
+        metrics = loop.evaluate_checkpoint(config, checkpoint)
+        from accel_train.distributed import is_reporting_process
+
+        if is_reporting_process():
+            print(json.dumps(metrics), flush=True)

@@ -1,0 +1,257 @@
+"""The run configuration: a tree of typed dataclasses, loaded from a YAML recipe plus dotted overrides.
+
+Kept free of torch imports so `accel-train --help` and config errors answer instantly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from accel_train.errors import UserError
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+def doc(text: str, **kwargs: Any) -> Any:
+    """A field with a one-line description (shown in errors and the README's key table)."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class DataConfig:
+    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder", default="fashion_mnist")
+    root: str = doc("folder holding (or receiving) the dataset files", default="data")
+    train_subset: Optional[int] = doc("train on the first N samples only (same N at any world size)", default=None)
+    eval_subset: Optional[int] = doc("evaluate on the first N samples only (same N at any world size)", default=None)
+    download: bool = doc("let torchvision download the dataset when no local copy exists", default=True)
+    synthetic: bool = doc("replace the dataset by torchvision FakeData of the same shape (smoke tests)", default=False)
+    augment: bool = doc("random crop + horizontal flip on training images", default=False)
+    image_size: Optional[int] = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
+    num_workers: int = doc("DataLoader worker processes per process (file-backed datasets)", default=4)
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("mnist_cnn, or any torchvision classification model name (resnet18, vgg16, ...)", default="mnist_cnn")
+    dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
+    sync_batchnorm: bool = doc("synchronise BatchNorm statistics across GPUs", default=False)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = doc("passes over the training set", default=1)
+    max_steps: Optional[int] = doc("stop after this many optimizer steps (unset = no limit)", default=None)
+    batch_size: int = doc("GLOBAL batch size, split across processes: same optimization at any world size", default=64)
+    eval_batch_size: int = doc("global batch size for evaluation (does not change results)", default=1000)
+    lr: float = doc("peak learning rate", default=1e-3)
+    optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
+    weight_decay: float = doc("decoupled weight decay (adamw) or L2 penalty (adam, sgd)", default=0.01)
+    momentum: float = doc("SGD momentum", default=0.9)
+    schedule: Literal["constant", "step", "exponential", "cosine"] = doc("learning-rate schedule", default="constant")
+    lr_gamma: float = doc("LR factor per decay (step: every lr_step_epochs epochs; exponential: per epoch)", default=0.1)
+    lr_step_epochs: int = doc("epochs between step decays", default=1)
+    warmup_steps: int = doc("linear warmup over this many optimizer steps", default=0)
+    log_every_steps: int = doc("write a train line to metrics.jsonl every N optimizer steps", default=50)
+    progress_bar: bool = doc("show a tqdm progress bar on the main process", default=True)
+
+
+@dataclass
+class Config:
+    description: str = doc("one line shown by `accel-train recipes`", default="")
+    task: str = doc("what the model learns: classification", default="classification")
+    seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
+    output_dir: str = doc("folder for config.yaml, metrics.jsonl and the final model", default="runs/default")
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_POSITIVE = {
+    "data.train_subset", "data.eval_subset", "data.image_size", "train.epochs", "train.max_steps",
+    "train.batch_size", "train.eval_batch_size", "train.lr", "train.lr_step_epochs", "train.log_every_steps",
+}
+_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma"}
+
+
+def list_recipes() -> dict[str, str]:
+    """Shipped recipe names with their one-line descriptions."""
+    return {
+        path.stem: (yaml.safe_load(path.read_text()) or {}).get("description", "")
+        for path in sorted(RECIPES_DIR.glob("*.yaml"))
+    }
+
+
+def load_config(recipe: str, overrides: list[str] = ()) -> Config:
+    """Resolve RECIPE (a shipped name or a YAML path), apply `key=value` overrides, validate."""
+    tree = _read_recipe(recipe)
+    config = _build(Config, tree, prefix="")
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise UserError(f"override '{override}' is not of the form key=value (e.g. train.lr=0.01)")
+        _set(config, key.strip(), raw)
+    _check_ranges(config)
+    return config
+
+
+def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:
+    path = Path(recipe)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = RECIPES_DIR / f"{recipe}.yaml"
+        if not path.is_file():
+            raise UserError(f"unknown recipe '{recipe}': not a YAML file; shipped recipes are {', '.join(list_recipes())}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"recipe {path} is not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(tree, dict):
+        raise UserError(f"recipe {path} must be a mapping of config keys")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if base in seen:
+        raise UserError(f"recipe {path}: 'base: {base}' forms a cycle")
+    return _merge(_read_recipe(base, seen + (recipe,)), tree)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, tree: dict, prefix: str) -> Any:
+    if not isinstance(tree, dict):
+        raise UserError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {tree!r}")
+    fields, hints = _fields(cls), _hints(cls)
+    kwargs = {}
+    for key, value in tree.items():
+        if key not in fields:
+            raise UserError(_unknown_key(prefix + key, cls))
+        if dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = _build(hints[key], value or {}, prefix + key + ".")
+        else:
+            kwargs[key] = _coerce(prefix + key, hints[key], value)
+    return cls(**kwargs)
+
+
+def _set(config: Config, dotted: str, raw: str) -> None:
+    *parents, leaf = dotted.split(".")
+    node, prefix = config, ""
+    for part in parents:
+        if part not in _fields(type(node)) or not dataclasses.is_dataclass(getattr(node, part)):
+            raise UserError(_unknown_key(prefix + part, type(node)))
+        node, prefix = getattr(node, part), prefix + part + "."
+    hints = _hints(type(node))
+    if leaf not in hints:
+        raise UserError(_unknown_key(dotted, type(node)))
+    if dataclasses.is_dataclass(hints[leaf]):
+        sub = ", ".join(f"{dotted}.{name}" for name in _fields(hints[leaf]))
+        raise UserError(f"'{dotted}' is a section, not a value; set one of its keys: {sub}")
+    setattr(node, leaf, _coerce(dotted, hints[leaf], raw, from_text=True))
+
+
+def _unknown_key(key: str, cls: type) -> str:
+    prefix = key.rpartition(".")[0]
+    valid = ", ".join((f"{prefix}." if prefix else "") + name for name in _fields(cls))
+    return f"unknown config key '{key}'; valid keys here: {valid}"
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
+    """Check `value` against the field's type; text from the command line is parsed first."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union and type(None) in args:
+        if value is None or (from_text and str(value).lower() in ("null", "none", "")):
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        text = str(value)
+        if text not in args:
+            raise UserError(f"{key}: '{text}' is not a valid choice; choose one of {', '.join(args)}")
+        return text
+    try:
+        if hint is bool:
+            text = str(value).lower()
+            if isinstance(value, bool):
+                return value
+            if text in _TRUE | _FALSE:
+                return text in _TRUE
+            raise ValueError
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value) if not isinstance(value, str) else int(value.strip())
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if hint is str:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
+        raise UserError(f"{key}: expected {name}, got {value!r}") from None
+    raise TypeError(f"unsupported config type {hint} for {key}")
+
+
+def _check_ranges(config: Config) -> None:
+    for section in ("data", "model", "train"):
+        for name, value in dataclasses.asdict(getattr(config, section)).items():
+            key = f"{section}.{name}"
+            if value is None:
+                continue
+            if key in _POSITIVE and value <= 0:
+                raise UserError(f"{key}: must be greater than 0, got {value}")
+            if key in _NON_NEGATIVE and value < 0:
+                raise UserError(f"{key}: must be 0 or more, got {value}")
+
+
+def describe_keys() -> list[tuple[str, str, str, Any]]:
+    """(key, type, help, default) for every config key, for the README and `accel-train keys`."""
+    rows = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], prefix + f.name + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else None
+            type_name = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+            rows.append((prefix + f.name, type_name, f.metadata.get("help", ""), default))
+
+    walk(Config, "")
+    return rows
+
+
+def save_config(config: Config, path: Path, run_info: dict) -> None:
+    """Write the fully resolved config plus how the run was launched (world size, precision, versions)."""
+    tree = config.to_dict()
+    tree["run"] = run_info
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))

@@ -1,0 +1,248 @@
+"""Datasets by name, found locally before anything is downloaded, and the DataLoaders over them.
+
+Datasets that fit in memory (the MNIST family, CIFAR-10, STL-10) are kept as one uint8 tensor and
+served a whole batch at a time; ImageFolder data goes through a DataLoader with torchvision transforms.
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision.transforms import v2
+
+from accel_train.config import DataConfig
+from accel_train.errors import DataNotFoundError, UserError
+from accel_train.registry import Registry
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SYNTHETIC_TRAIN_SIZE, SYNTHETIC_EVAL_SIZE = 512, 256
+
+
+@dataclass
+class ImageData:
+    dataset: Dataset
+    num_classes: int
+    image_shape: tuple[int, int, int]  # (C, H, W) as served to the model
+
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self.dataset, InMemoryImages)
+
+
+DATASETS: Registry[ImageData] = Registry("dataset", "data.name")
+
+
+class InMemoryImages(Dataset):
+    """uint8 images in one tensor; `__getitems__` slices, augments and normalises a whole batch at once."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean, std, augment=False, size=None) -> None:
+        self.images, self.labels = images.contiguous(), labels.long()
+        self.mean = torch.tensor(mean).view(1, -1, 1, 1)
+        self.std = torch.tensor(std).view(1, -1, 1, 1)
+        self.augment, self.size = augment, size
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        images, labels = self.__getitems__([index])
+        return images[0], labels[0]
+
+    def __getitems__(self, indices: list[int]):
+        index = torch.as_tensor(indices)
+        images = self.images[index].float().div_(255)
+        if self.augment:
+            images = random_crop_flip(images, padding=max(1, images.shape[-1] // 8))
+        if self.size and images.shape[-1] != self.size:
+            images = F.interpolate(images, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
+        return (images - self.mean) / self.std, self.labels[index]
+
+
+def keep_batch(batch):
+    """collate_fn for datasets whose `__getitems__` already returns a batch."""
+    return batch
+
+
+def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
+    """Per-image random crop (zero padding) and horizontal flip, for a whole batch without a Python loop."""
+    n, _, h, w = images.shape
+    padded = F.pad(images, (padding,) * 4)
+    top = torch.randint(0, 2 * padding + 1, (n, 1, 1))
+    left = torch.randint(0, 2 * padding + 1, (n, 1, 1))
+    rows = (top + torch.arange(h).view(1, h, 1)).expand(n, h, w)
+    cols = (left + torch.arange(w).view(1, 1, w)).expand(n, h, w)
+    flip = torch.rand(n, 1, 1) < 0.5
+    cols = torch.where(flip, left + (w - 1 - torch.arange(w).view(1, 1, w)), cols)
+    batch = torch.arange(n).view(n, 1, 1)
+    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class TorchvisionSource:
+    """How to get one torchvision dataset and turn it into uint8 NCHW tensors."""
+
+    factory: Callable  # (root, train, download) -> torchvision dataset
+    to_tensors: Callable  # dataset -> (uint8 images NCHW, int labels)
+    num_classes: int
+    shape: tuple[int, int, int]
+    mean: tuple
+    std: tuple
+    local_copy: Optional[Callable[[Path], bool]] = None  # installs a distribution's copy into root
+
+
+def _mnist_tensors(ds):
+    return ds.data.unsqueeze(1), ds.targets
+
+
+def _cifar_tensors(ds):
+    return torch.from_numpy(ds.data).permute(0, 3, 1, 2), torch.tensor(ds.targets)
+
+
+def _stl_tensors(ds):
+    return torch.from_numpy(ds.data), torch.from_numpy(ds.labels).long()
+
+
+FASHION_MNIST_DEBIAN = Path("/usr/share/datasets/fashion-mnist")
+
+
+def _install_debian_fashion_mnist(root: Path) -> bool:
+    """Debian's dataset-fashion-mnist ships the idx .gz files; torchvision reads them unpacked from root."""
+    if not FASHION_MNIST_DEBIAN.is_dir():
+        return False
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for packed in FASHION_MNIST_DEBIAN.glob("*-ubyte.gz"):
+        target = raw / packed.stem
+        if not target.exists():
+            partial = target.with_suffix(".partial")
+            with gzip.open(packed, "rb") as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            partial.rename(target)
+    return True
+
+
+SOURCES = {
+    "mnist": TorchvisionSource(
+        lambda root, train, download: torchvision.datasets.MNIST(root, train=train, download=download),
+        _mnist_tensors, 10, (1, 28, 28), (0.1307,), (0.3081,)),
+    "fashion_mnist": TorchvisionSource(
+        lambda root, train, download: torchvision.datasets.FashionMNIST(root, train=train, download=download),
+        _mnist_tensors, 10, (1, 28, 28), (0.2860,), (0.3530,), _install_debian_fashion_mnist),
+    "cifar10": TorchvisionSource(
+        lambda root, train, download: torchvision.datasets.CIFAR10(root, train=train, download=download),
+        _cifar_tensors, 10, (3, 32, 32), (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "stl10": TorchvisionSource(
+        lambda root, train, download: torchvision.datasets.STL10(root, split="train" if train else "test", download=download),
+        _stl_tensors, 10, (3, 96, 96), (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
+}
+
+
+def _find_torchvision(cfg: DataConfig, name: str, source: TorchvisionSource, train: bool):
+    """data.root if it holds the data -> a local distribution copy -> torchvision's download -> one clear error."""
+    root = Path(cfg.root)
+    try:
+        return source.factory(root, train, False)
+    except RuntimeError:
+        pass
+    if source.local_copy is not None and source.local_copy(root):
+        return source.factory(root, train, False)
+    failure = "data.download=false"
+    if cfg.download:
+        try:
+            return source.factory(root, train, True)
+        except Exception as err:  # torchvision raises URLError, RuntimeError or OSError depending on the mirror
+            failure = f"download failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+    local = " or install the distribution copy (apt-get install dataset-fashion-mnist)" if source.local_copy else ""
+    raise DataNotFoundError(
+        f"dataset '{name}' not found in data.root={root}{local}, and {failure}; put the files in data.root, "
+        f"allow data.download=true on a machine with internet, or set data.root to a folder that has them"
+    )
+
+
+def _synthetic_tensors(cfg: DataConfig, shape, num_classes: int, train: bool):
+    size = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
+    fake = torchvision.datasets.FakeData(size, image_size=shape, num_classes=num_classes,
+                                         transform=v2.PILToTensor(), random_offset=0 if train else 10**6)
+    images, labels = zip(*(fake[i] for i in range(size)))
+    return torch.stack(images), torch.tensor(labels)
+
+
+def _in_memory(cfg: DataConfig, name: str, train: bool) -> ImageData:
+    source = SOURCES[name]
+    if cfg.synthetic:
+        images, labels = _synthetic_tensors(cfg, source.shape, source.num_classes, train)
+    else:
+        images, labels = source.to_tensors(_find_torchvision(cfg, name, source, train))
+    limit = cfg.train_subset if train else cfg.eval_subset
+    if limit is not None:
+        images, labels = images[:limit], labels[:limit]
+    size = cfg.image_size or source.shape[-1]
+    dataset = InMemoryImages(images, labels, source.mean, source.std, augment=train and cfg.augment, size=size)
+    return ImageData(dataset, source.num_classes, (source.shape[0], size, size))
+
+
+for _name in SOURCES:
+    DATASETS.register(_name)(lambda cfg, train, _name=_name: _in_memory(cfg, _name, train))
+
+
+@DATASETS.register("imagefolder")
+def imagefolder(cfg: DataConfig, train: bool) -> ImageData:
+    """The user's own data: data.root/train/<class>/*.jpg and data.root/val/<class>/*.jpg."""
+    size = cfg.image_size or 224
+    if train:
+        transform = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
+                               if cfg.augment else [v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+    else:
+        transform = v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
+    transform = v2.Compose([v2.PILToTensor(), v2.RGB(), transform, v2.ToDtype(torch.float32, scale=True),
+                            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    if cfg.synthetic:
+        count = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
+        dataset = torchvision.datasets.FakeData(count, image_size=(3, size, size), num_classes=10, transform=transform)
+        return ImageData(dataset, 10, (3, size, size))
+    root = Path(cfg.root)
+    _imagefolder_split(root, not train)  # report a missing train or val folder before reading either
+    split_dir = _imagefolder_split(root, train)
+    try:
+        dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform)
+    except FileNotFoundError as err:
+        raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
+    num_classes = len(dataset.classes)
+    limit = cfg.train_subset if train else cfg.eval_subset
+    if limit is not None:
+        dataset = Subset(dataset, range(min(limit, len(dataset))))
+    return ImageData(dataset, num_classes, (3, size, size))
+
+
+def _imagefolder_split(root: Path, train: bool) -> Path:
+    names = ("train",) if train else ("val", "validation", "test")
+    for name in names:
+        if (root / name).is_dir():
+            return root / name
+    raise DataNotFoundError(
+        f"imagefolder: no {' / '.join(names)} folder in data.root={root}; expected "
+        f"{root}/train/<class>/<images> and {root}/val/<class>/<images>"
+    )
+
+
+def build_dataset(cfg: DataConfig, train: bool) -> ImageData:
+    return DATASETS.get(cfg.name)(cfg, train)
+
+
+def make_loader(data: ImageData, global_batch: int, train: bool, num_workers: int, pin_memory: bool) -> DataLoader:
+    """A loader over GLOBAL batches; Accelerate's prepare (split_batches) hands each process its slice."""
+    if train and len(data.dataset) < global_batch:
+        raise UserError(f"the training set has {len(data.dataset)} samples, fewer than train.batch_size={global_batch}; "
+                        "lower train.batch_size or raise data.train_subset")
+    if data.in_memory:
+        return DataLoader(data.dataset, batch_size=global_batch, shuffle=train, drop_last=train, collate_fn=keep_batch)
+    return DataLoader(data.dataset, batch_size=global_batch, shuffle=train, drop_last=train, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0)

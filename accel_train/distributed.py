@@ -1,0 +1,117 @@
+"""Everything about processes and devices lives here; no other module reads ranks or environment variables.
+
+The rest of the package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics`
+and Accelerator's main-process helpers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from accel_train.errors import LaunchError, UserError
+
+if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report errors without them
+    import torch
+    from accelerate import Accelerator
+
+
+def has_accelerator_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def launcher_world_size() -> int | None:
+    """The world size torchrun / accelerate launch asked for, or None when run as a plain process."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+def is_reporting_process() -> bool:
+    """True on the one process that should print user errors raised before the Accelerator exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def make_accelerator(seed: int) -> Accelerator:
+    """An Accelerator that forms a real process group on whatever hardware is present.
+
+    Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
+    scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
+    data order a function of (seed, epoch) alone.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    use_cpu = not has_accelerator_device()
+    mixed_precision = None  # None = whatever the launch profile says
+    requested = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if use_cpu and requested == "fp16":
+        if is_reporting_process():
+            print("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32", file=sys.stderr)
+        mixed_precision = "no"
+    # Without cpu=True, Accelerate on a GPU-less box under a multi-process launcher silently
+    # trains N independent copies instead of joining one gloo process group.
+    accelerator = Accelerator(
+        cpu=use_cpu,
+        mixed_precision=mixed_precision,
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
+    )
+    expected = launcher_world_size()
+    if expected is not None and expected != accelerator.num_processes:
+        raise LaunchError(
+            f"the launcher started {expected} processes but only {accelerator.num_processes} joined the run "
+            f"(distributed type {accelerator.distributed_type}); check the launch profile and device visibility"
+        )
+    return accelerator
+
+
+def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:
+    """Check that a global batch splits evenly across processes (Accelerate's split_batches needs it)."""
+    n = accelerator.num_processes
+    if global_batch % n:
+        lower, upper = (global_batch // n) * n, (global_batch // n + 1) * n
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, e.g. {hint}")
+    return global_batch // n
+
+
+def round_up_to_world(batch: int, accelerator: Accelerator) -> int:
+    """Evaluation batch sizes do not change results, so round them up to split evenly instead of failing."""
+    n = accelerator.num_processes
+    return -(-batch // n) * n
+
+
+def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Accelerator) -> torch.nn.Module:
+    if not enabled or accelerator.num_processes == 1:
+        return model
+    if accelerator.device.type == "cpu":
+        accelerator.print("model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own statistics")
+        return model
+    import torch
+
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def run_info(accelerator: Accelerator) -> dict:
+    """How this run was launched, written beside its results."""
+    import accelerate
+    import torch
+    import torchvision
+
+    import accel_train
+
+    return {
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "device": accelerator.device.type,
+        "mixed_precision": accelerator.mixed_precision,
+        "versions": {
+            "accel_train": accel_train.__version__,
+            "python": sys.version.split()[0],
+            "torch": str(torch.__version__),
+            "torchvision": str(torchvision.__version__),
+            "accelerate": accelerate.__version__,
+        },
+    }

@@ -1,0 +1,19 @@
+"""Errors a user can act on: reported as one line, never as a traceback."""
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for (config, paths, launch); exit code 2."""
+
+    exit_code = 2
+
+
+class DataNotFoundError(UserError):
+    """The dataset is in none of the places we look and cannot be downloaded."""
+
+    exit_code = 3
+
+
+class LaunchError(UserError):
+    """The processes that formed do not match what the launcher asked for."""
+
+    exit_code = 4

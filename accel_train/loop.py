@@ -1,0 +1,118 @@
+"""The training loop: a plain PyTorch loop plus Accelerate's prepare / backward / gather_for_metrics.
+
+The same code runs on one CPU, one GPU, many GPUs and many machines; only the launch command changes:
+
+    accel-train train fashion_mnist_cnn                                   # 1 process
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml -m accel_train train fashion_mnist_cnn
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml -m accel_train train fashion_mnist_cnn
+    accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank 0 \\
+        --main_process_ip 10.0.0.1 -m accel_train train fashion_mnist_cnn   # then --machine_rank 1 on node 2
+    accelerate launch --config_file accelerate_configs/cpu.yaml -m accel_train train fashion_mnist_cnn
+    torchrun --nproc_per_node 2 -m accel_train train fashion_mnist_cnn
+
+train.batch_size is global: N processes each take batch_size / N samples per optimizer step.
+Workload specifics live in a Task (tasks.py); features such as logging hook in (hooks.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+
+from accel_train.config import Config
+from accel_train.data import build_dataset, make_loader
+from accel_train.distributed import make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world
+from accel_train.errors import UserError
+from accel_train.hooks import RunState, TrainMeter, default_hooks
+from accel_train.optim import build_optimizer, build_scheduler, total_steps
+from accel_train.tasks import TASKS
+
+
+def train(config: Config) -> dict:
+    task = TASKS.get(config.task)()
+    task.check_config(config)
+    accelerator = make_accelerator(config.seed)
+    per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
+    set_seed(config.seed)  # the same initial weights on every process
+    with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
+        train_data = build_dataset(config.data, train=True)
+        eval_data = build_dataset(config.data, train=False)
+    model = maybe_sync_batchnorm(task.build_model(config, train_data), config.model.sync_batchnorm, accelerator)
+    optimizer = build_optimizer(config.train, model)
+    pin = accelerator.device.type == "cuda"
+    train_loader = make_loader(train_data, config.train.batch_size, True, config.data.num_workers, pin)
+    eval_loader = make_loader(eval_data, round_up_to_world(config.train.eval_batch_size, accelerator), False,
+                              config.data.num_workers, pin)
+    scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(train_loader))
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+    set_seed(config.seed, device_specific=True)  # augmentation and dropout differ between processes
+
+    run = RunState(config, accelerator, len(train_loader), total_steps(config.train, len(train_loader)))
+    hooks = default_hooks(config, accelerator)
+    meter = TrainMeter(accelerator, config.train.batch_size)
+    hooks.fire("on_train_start", run)
+    for run.epoch in range(config.train.epochs):
+        model.train()
+        train_loader.set_epoch(run.epoch)
+        for batch in train_loader:
+            terms = task.training_step(model, batch)
+            accelerator.backward(terms["loss"])
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            meter.update(terms)
+            if run.step % config.train.log_every_steps == 0 or run.step == run.total_steps:
+                hooks.fire("on_log", run, {**meter.compute(), "lr": lr})
+            hooks.fire("on_step_end", run)
+            if run.step >= run.total_steps or run.should_stop:
+                break
+        run.last_eval = evaluate(accelerator, model, task, eval_loader)
+        hooks.fire("on_eval", run, run.last_eval)
+        meter.exclude_time_since_last_step()
+        if run.step >= run.total_steps or run.should_stop:
+            break
+    accelerator.save_model(model, config.output_dir)
+    hooks.fire("on_train_end", run)
+    return run.last_eval
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, task, loader) -> dict:
+    """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch."""
+    model.eval()
+    metric = task.new_metric()
+    for batch in loader:
+        metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
+    return metric.compute()
+
+
+def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
+    """`accel-train eval`: load exported weights (safetensors) and evaluate them on the eval split."""
+    from safetensors.torch import load_file
+
+    task = TASKS.get(config.task)()
+    task.check_config(config)
+    weights = Path(checkpoint)
+    if weights.is_dir():
+        weights = weights / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"checkpoint={checkpoint}: no model.safetensors there; pass the output_dir of a run or the file")
+    accelerator = make_accelerator(config.seed)
+    with accelerator.local_main_process_first():
+        eval_data = build_dataset(config.data, train=False)
+    model = task.build_model(config, eval_data)
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except RuntimeError as err:
+        detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
+        raise UserError(f"checkpoint={checkpoint} does not fit model.name={config.model.name} "
+                        f"on {config.data.name}: {detail}") from None
+    eval_loader = make_loader(eval_data, round_up_to_world(config.train.eval_batch_size, accelerator), False,
+                              config.data.num_workers, accelerator.device.type == "cuda")
+    model, eval_loader = accelerator.prepare(model, eval_loader)
+    return evaluate(accelerator, model, task, eval_loader)

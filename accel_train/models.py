@@ -1,0 +1,64 @@
+"""Models by name: our own small nets, or any torchvision classification model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from accel_train.config import ModelConfig
+from accel_train.errors import UserError
+from accel_train.registry import Registry
+
+MODELS: Registry[nn.Module] = Registry("model", "model.name")
+
+
+@MODELS.register("mnist_cnn")
+class MnistCNN(nn.Module):
+    """The classic two-conv MNIST net of the PyTorch and Keras examples."""
+
+    def __init__(self, num_classes: int, image_shape: tuple[int, int, int]) -> None:
+        super().__init__()
+        channels, height, width = image_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * ((height - 4) // 2) * ((width - 4) // 2), 128), nn.ReLU(), nn.Dropout(0.5),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(images))
+
+
+def torchvision_model_names() -> list[str]:
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def check_model_name(name: str) -> None:
+    if name not in MODELS and name not in torchvision_model_names():
+        raise UserError(f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS.names())} or a "
+                        "torchvision classification model (resnet18, resnet50, vgg16, vit_b_16, ...)")
+
+
+def build_classifier(cfg: ModelConfig, num_classes: int, image_shape: tuple[int, int, int]) -> nn.Module:
+    check_model_name(cfg.name)
+    if cfg.name in MODELS:
+        model = MODELS.get(cfg.name)(num_classes, image_shape)
+    else:
+        import torchvision
+
+        model = torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes)
+    if not cfg.dropout:
+        remove_dropout(model)
+    return model
+
+
+def remove_dropout(model: nn.Module) -> None:
+    for name, child in model.named_children():
+        if isinstance(child, nn.modules.dropout._DropoutNd):
+            setattr(model, name, nn.Identity())
+        else:
+            remove_dropout(child)

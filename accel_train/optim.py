@@ -1,0 +1,53 @@
+"""Optimizers and learning-rate schedules, defined per optimizer step so they are world-size independent."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from accel_train.config import TrainConfig
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer_class = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return optimizer_class(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+class LRFactor:
+    """LR multiplier at an optimizer step: optional linear warmup times step / exponential / cosine decay.
+
+    A callable object rather than a lambda so the scheduler's state_dict (checkpoints) keeps it.
+    """
+
+    def __init__(self, cfg: TrainConfig, steps_per_epoch: int) -> None:
+        self.schedule, self.gamma, self.step_epochs = cfg.schedule, cfg.lr_gamma, cfg.lr_step_epochs
+        self.warmup_steps, self.steps_per_epoch = cfg.warmup_steps, steps_per_epoch
+        self.total_steps = total_steps(cfg, steps_per_epoch)
+
+    def __call__(self, step: int) -> float:
+        warmup = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        epoch = step // self.steps_per_epoch
+        if self.schedule == "step":
+            decay = self.gamma ** (epoch // self.step_epochs)
+        elif self.schedule == "exponential":
+            decay = self.gamma ** epoch
+        elif self.schedule == "cosine":
+            decay = 0.5 * (1 + math.cos(math.pi * min(step, self.total_steps) / max(1, self.total_steps)))
+        else:
+            decay = 1.0
+        return warmup * decay
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps the run will take: train.epochs worth, capped by train.max_steps."""
+    steps = steps_per_epoch * cfg.epochs
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> LambdaLR:
+    return LambdaLR(optimizer, LRFactor(cfg, steps_per_epoch))

@@ -1,0 +1,63 @@
+"""Helpers that run accel-train the way users do: as a command, alone or under a launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILES = REPO / "accelerate_configs"
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+BIN = Path(sys.executable).parent
+
+needs_fashion_mnist = pytest.mark.skipif(
+    not FASHION_MNIST.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist; make test does it)"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("WORLD_SIZE", None)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    return env
+
+
+def run_cli(*args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """`accel-train ARGS` in one plain process."""
+    return _run([str(BIN / "accel-train"), *args], timeout, check)
+
+
+def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", timeout: int = 300,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`."""
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(PROFILES / profile),
+               "--num_processes", str(num_processes), "--main_process_port", str(free_port()), "-m", "accel_train", *args]
+    return _run(command, timeout, check)
+
+
+def _run(command: list[str], timeout: int, check: bool) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def read_metrics(output_dir: Path, split: str) -> list[dict]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["split"] == split]
+
+
+def last_json_line(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])

@@ -1,0 +1,91 @@
+"""Contracts of the command line: mistakes are caught before any work, in one line, with exit code 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from accel_train.config import list_recipes, load_config
+from accel_train.errors import UserError
+from conftest import REPO, run_cli
+
+SHIPPED = {"mnist_cnn", "fashion_mnist_cnn", "cifar10_resnet50", "stl10_resnet18", "imagefolder"}
+
+
+@pytest.mark.parametrize("override, names", [
+    ("train.lrr=0.1", ["train.lrr", "train.lr", "train.batch_size"]),
+    ("trian.lr=0.1", ["trian", "train", "data"]),
+    ("train.batch_size=many", ["train.batch_size", "integer", "many"]),
+    ("train.lr=fast", ["train.lr", "number"]),
+    ("train.optimizer=lion", ["train.optimizer", "adamw", "adam", "sgd"]),
+    ("train.batch_size=0", ["train.batch_size", "greater than 0"]),
+    ("data.train_subset=-5", ["data.train_subset", "greater than 0"]),
+    ("data.augment=maybe", ["data.augment", "true or false"]),
+    ("train=3", ["'train' is a section", "train.epochs"]),
+    ("model.name=resnet9000", ["model.name", "resnet9000", "mnist_cnn"]),
+    ("data.name=imagenet22k", ["data.name", "imagenet22k", "cifar10", "fashion_mnist"]),
+    ("task=segmentation", ["task", "segmentation", "classification"]),
+])
+def test_config_mistakes_exit_2_with_one_line_naming_the_key(override, names, tmp_path):
+    result = run_cli("train", "fashion_mnist_cnn", override, f"output_dir={tmp_path}", check=False)
+    assert result.returncode == 2, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(error_lines) == 1 and error_lines[0].startswith("accel-train: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+    for name in names:
+        assert name in error_lines[0]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_unknown_recipe_lists_the_shipped_ones():
+    result = run_cli("train", "resnet_on_moon", check=False)
+    assert result.returncode == 2
+    assert "resnet_on_moon" in result.stderr and "fashion_mnist_cnn" in result.stderr
+
+
+def test_override_without_equals_sign_is_rejected():
+    result = run_cli("train", "mnist_cnn", "train.lr", check=False)
+    assert result.returncode == 2 and "key=value" in result.stderr
+
+
+def test_eval_requires_a_checkpoint():
+    result = run_cli("eval", "mnist_cnn", check=False)
+    assert result.returncode == 2 and "checkpoint=PATH" in result.stderr
+
+
+def test_recipes_lists_every_shipped_recipe_with_a_description():
+    listed = {line.split()[0]: line for line in run_cli("recipes").stdout.splitlines()}
+    assert SHIPPED <= set(listed)
+    assert all(len(line.split()) > 3 for line in listed.values())
+    assert set(list_recipes()) == set(listed)
+
+
+def test_every_recipe_has_the_common_keys_and_loads():
+    for name in list_recipes():
+        config = load_config(name, ["seed=3", "output_dir=/tmp/x", "data.root=/tmp/d", "data.train_subset=10",
+                                    "data.eval_subset=7", "train.epochs=2", "train.max_steps=5",
+                                    "train.batch_size=12", "train.lr=0.5"])
+        assert (config.seed, config.data.train_subset, config.train.max_steps, config.train.lr) == (3, 10, 5, 0.5)
+
+
+def test_recipe_file_with_base_inherits_and_overrides(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("base: fashion_mnist_cnn\ntrain:\n  lr: 3.0e-4\n")
+    config = load_config(str(recipe), ["train.max_steps=null"])
+    assert config.data.name == "fashion_mnist" and config.model.name == "mnist_cnn"
+    assert config.train.lr == 3e-4 and config.train.schedule == "step" and config.train.max_steps is None
+
+
+def test_recipe_file_with_unknown_key_names_it(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("train:\n  epochz: 3\n")
+    with pytest.raises(UserError, match="train.epochz.*train.epochs"):
+        load_config(str(recipe))
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys\nfrom accel_train.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().endswith("torch not loaded")
+    assert "accel-train train RECIPE" in result.stdout

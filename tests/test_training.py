@@ -1,0 +1,109 @@
+"""Contracts of a training run: it learns, it leaves a self-describing run folder, every recipe runs."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import last_json_line, needs_fashion_mnist, read_metrics, run_cli
+
+TINY = ["train.max_steps=1", "train.batch_size=4", "train.eval_batch_size=4", "data.train_subset=8",
+        "data.eval_subset=6", "train.log_every_steps=1"]
+
+
+@needs_fashion_mnist
+def test_fashion_mnist_loss_falls_and_the_run_folder_describes_itself(tmp_path):
+    out = tmp_path / "run"
+    run_cli("train", "fashion_mnist_cnn", f"output_dir={out}", "data.train_subset=3000", "data.eval_subset=1000",
+            "train.epochs=2", "train.log_every_steps=10", f"data.root={tmp_path / 'data'}")
+    train_lines, eval_lines = read_metrics(out, "train"), read_metrics(out, "eval")
+    assert [line["epoch"] for line in eval_lines] == [0, 1]
+    first, last = train_lines[0]["loss"], train_lines[-1]["loss"]
+    assert last < 0.6 * first, (first, last)
+    assert eval_lines[-1]["accuracy"] > 0.7 and eval_lines[-1]["num_samples"] == 1000
+    assert eval_lines[-1]["loss"] < eval_lines[0]["loss"] * 1.1
+    for line in train_lines:
+        assert {"split", "epoch", "step", "loss", "lr", "samples_per_s"} <= set(line) and line["samples_per_s"] > 0
+    assert {"split", "epoch", "step", "num_samples", "loss", "accuracy", "top5"} <= set(eval_lines[0])
+    # step decay with gamma 0.7 per epoch: the LR logged in epoch 1 is 0.7x that of epoch 0
+    lrs = {line["epoch"]: line["lr"] for line in train_lines}
+    assert lrs[1] == pytest.approx(0.7 * lrs[0])
+
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["data"]["train_subset"] == 3000 and config["train"]["epochs"] == 2
+    assert config["run"]["world_size"] == 1 and config["run"]["mixed_precision"] == "no"
+    assert {"torch", "accelerate", "accel_train"} <= set(config["run"]["versions"])
+
+    weights = load_file(str(out / "model.safetensors"))
+    assert "features.0.weight" in weights
+    evaluated = last_json_line(run_cli("eval", "fashion_mnist_cnn", f"checkpoint={out}", "data.eval_subset=1000",
+                                       f"data.root={tmp_path / 'data'}").stdout)
+    assert evaluated["num_samples"] == 1000
+    assert evaluated["correct"] == eval_lines[-1]["correct"]
+    assert evaluated["loss"] == pytest.approx(eval_lines[-1]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("recipe, data_name, extra", [
+    ("mnist_cnn", "synthetic MNIST-shaped FakeData", ["data.synthetic=true"]),
+    ("cifar10_resnet50", "synthetic CIFAR-10-shaped FakeData 3x32x32", ["data.synthetic=true", "model.sync_batchnorm=true"]),
+    ("stl10_resnet18", "synthetic STL-10-shaped FakeData 3x96x96 resized to 224", ["data.synthetic=true"]),
+])
+def test_recipe_runs_one_step_on_fakedata_of_its_shape(recipe, data_name, extra, tmp_path):
+    run_cli("train", recipe, f"output_dir={tmp_path}", *TINY, *extra)
+    (train_line,) = read_metrics(tmp_path, "train")
+    (eval_line,) = read_metrics(tmp_path, "eval")
+    assert torch.isfinite(torch.tensor(train_line["loss"])), data_name
+    assert eval_line["num_samples"] == 6 and "top5" in eval_line
+
+
+@needs_fashion_mnist
+def test_fashion_mnist_recipe_runs_one_step_on_real_data(tmp_path):
+    run_cli("train", "fashion_mnist_cnn", f"output_dir={tmp_path}", f"data.root={tmp_path / 'data'}", *TINY)
+    assert read_metrics(tmp_path, "eval")[0]["num_samples"] == 6
+
+
+def _image_folder(root, classes=("cat", "dog", "owl"), per_class=4):
+    for split in ("train", "val"):
+        for index, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                color = (index * 80, i * 40, 200 - index * 60)
+                Image.new("RGB", (40 + i, 36), color).save(folder / f"{i}.png")
+
+
+@pytest.mark.parametrize("model_name", ["resnet18", "mobilenet_v3_small"])
+def test_imagefolder_recipe_takes_classes_from_the_folder_and_any_torchvision_model(model_name, tmp_path):
+    _image_folder(tmp_path / "images")
+    out = tmp_path / "run"
+    run_cli("train", "imagefolder", f"data.root={tmp_path / 'images'}", f"model.name={model_name}",
+            "data.image_size=64", "data.num_workers=1", f"output_dir={out}", "train.max_steps=2",
+            "train.batch_size=4", "train.eval_batch_size=5", "train.log_every_steps=1")
+    (eval_line,) = read_metrics(out, "eval")
+    assert eval_line["num_samples"] == 12 and "top5" not in eval_line  # 3 classes: top-5 is meaningless
+    head = [v for k, v in load_file(str(out / "model.safetensors")).items() if v.ndim == 2][-1]
+    assert head.shape[0] == 3
+
+
+def test_missing_dataset_gives_one_clear_error_naming_the_ways_to_provide_it(tmp_path):
+    result = run_cli("train", "cifar10_resnet50", f"data.root={tmp_path}", "data.download=false",
+                     f"output_dir={tmp_path / 'run'}", check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert "cifar10" in message and str(tmp_path) in message and "data.download" in message
+
+
+def test_imagefolder_without_val_folder_says_what_layout_is_expected(tmp_path):
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    result = run_cli("train", "imagefolder", f"data.root={tmp_path}", f"output_dir={tmp_path / 'run'}", check=False)
+    assert result.returncode != 0 and "val" in result.stderr and "<class>" in result.stderr
+
+
+def test_eval_refuses_weights_of_another_model(tmp_path):
+    run_cli("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY, "data.synthetic=true")
+    result = run_cli("eval", "cifar10_resnet50", f"checkpoint={tmp_path}", "data.synthetic=true", "data.eval_subset=4",
+                     check=False)
+    assert result.returncode == 2 and "does not fit" in result.stderr and "Traceback" not in result.stderr
