@@ -94,6 +94,13 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
+def any_process(flag: bool, accelerator: Accelerator) -> bool:
+    """True on every process if `flag` is true on any: lets all processes stop (or skip) together."""
+    import torch
+
+    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum").item() > 0)
+
+
 def run_info(accelerator: Accelerator) -> dict:
     """How this run was launched, written beside its results."""
     import accelerate

@@ -14,7 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = REPO / "accelerate_configs"
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
-BIN = Path(sys.executable).parent
+# `python -m` from the repo root: the code under test is this checkout's, whatever the venv points at.
+PYTHON = sys.executable
 
 needs_fashion_mnist = pytest.mark.skipif(
     not FASHION_MNIST.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist; make test does it)"
@@ -36,13 +37,13 @@ def _env() -> dict:
 
 def run_cli(*args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     """`accel-train ARGS` in one plain process."""
-    return _run([str(BIN / "accel-train"), *args], timeout, check)
+    return _run([PYTHON, "-m", "accel_train", *args], timeout, check)
 
 
 def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", timeout: int = 300,
            check: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`."""
-    command = [str(BIN / "accelerate"), "launch", "--config_file", str(PROFILES / profile),
+    command = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / profile),
                "--num_processes", str(num_processes), "--main_process_port", str(free_port()), "-m", "accel_train", *args]
     return _run(command, timeout, check)
 

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +82,12 @@ def test_recipe_file_with_unknown_key_names_it(tmp_path):
     recipe.write_text("train:\n  epochz: 3\n")
     with pytest.raises(UserError, match="train.epochz.*train.epochs"):
         load_config(str(recipe))
+
+
+def test_console_script_is_installed_and_answers_help():
+    script = Path(sys.executable).parent / "accel-train"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True)
+    assert "accel-train eval RECIPE checkpoint=PATH" in result.stdout
 
 
 def test_help_does_not_import_torch():
