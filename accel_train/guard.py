@@ -41,8 +41,8 @@ class NonFiniteGuard:
             return True
         report = self._report(terms, grad_norm, step, run.epoch)
         if self.policy == "stop":
-            raise NonFiniteError(f"{report}; every process stopped, nothing was saved after this step. Lower "
-                                 "train.lr, set train.clip_grad_norm, or set train.on_nonfinite=skip to skip such steps")
+            raise NonFiniteError(f"{report}; every process stopped before updating the weights, files written before are "
+                                 "untouched. Lower train.lr, set train.clip_grad_norm, or set train.on_nonfinite=skip")
         if self.accelerator.is_main_process:
             print(f"accel-train: warning: {report}; step skipped on every process (train.on_nonfinite=skip)", flush=True)
         return False
