@@ -108,7 +108,7 @@ def any_process(flag: bool | torch.Tensor, accelerator: Accelerator) -> bool:
 TEST_NONFINITE_ENV = "ACCEL_TRAIN_TEST_NONFINITE_AT"
 
 
-def test_nonfinite_step(accelerator: Accelerator) -> int | None:
+def injected_nonfinite_step(accelerator: Accelerator) -> int | None:
     """Test hook, not a feature: ACCEL_TRAIN_TEST_NONFINITE_AT=STEP:PROCESS makes the loss that PROCESS
     reports at optimizer step STEP NaN, to check that the others stop with it instead of hanging."""
     value = os.environ.get(TEST_NONFINITE_ENV)

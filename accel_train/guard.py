@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 
 from accel_train.config import Config
-from accel_train.distributed import any_process, test_nonfinite_step
+from accel_train.distributed import any_process, injected_nonfinite_step
 from accel_train.errors import NonFiniteError
 from accel_train.hooks import RunState
 
@@ -27,7 +27,7 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
 class NonFiniteGuard:
     def __init__(self, config: Config, accelerator: Accelerator) -> None:
         self.accelerator, self.policy = accelerator, config.train.on_nonfinite
-        self.poison_step = test_nonfinite_step(accelerator)
+        self.poison_step = injected_nonfinite_step(accelerator)
 
     def allows_step(self, run: RunState, terms: dict[str, torch.Tensor], grad_norm: torch.Tensor | None) -> bool:
         """False when every process must skip this step; raises NonFiniteError on every process to stop."""

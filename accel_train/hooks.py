@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -143,7 +143,7 @@ class Console(Hook):
               f"{run.output_dir}", flush=True)
 
 
-def default_hooks(config: Config, accelerator: Accelerator, task_hooks: list[Hook] = ()) -> Hooks:
+def default_hooks(config: Config, accelerator: Accelerator, task_hooks: Sequence[Hook] = ()) -> Hooks:
     # Only the main process prints and writes files; every hook below is main-process only.
     if not accelerator.is_main_process:
         return Hooks([])
