@@ -32,15 +32,21 @@ class DataConfig:
     download: bool = doc("let torchvision download the dataset when no local copy exists", default=True)
     synthetic: bool = doc("replace the dataset by torchvision FakeData of the same shape (smoke tests)", default=False)
     augment: bool = doc("random crop + horizontal flip on training images", default=False)
+    normalize: bool = doc("standardise pixels by the dataset's mean and std (false: raw values in [0, 1], as a VAE needs)",
+                          default=True)
     image_size: Optional[int] = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
     num_workers: int = doc("DataLoader worker processes per process (file-backed datasets)", default=4)
 
 
 @dataclass
 class ModelConfig:
-    name: str = doc("mnist_cnn, or any torchvision classification model name (resnet18, vgg16, ...)", default="mnist_cnn")
+    name: str = doc("mnist_cnn, or any torchvision classification model name (resnet18, vgg16, ...); conv_vae for task=vae",
+                    default="mnist_cnn")
     dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
     sync_batchnorm: bool = doc("synchronise BatchNorm statistics across GPUs", default=False)
+    latent_size: int = doc("VAE: dimensions of the latent code z", default=16)
+    hidden_size: int = doc("VAE: width of the fully connected layer between the convolutions and z", default=256)
+    beta: float = doc("VAE: weight of the KL term in the loss (1 = the negative ELBO; beta-VAE otherwise)", default=1.0)
 
 
 @dataclass
@@ -57,6 +63,10 @@ class TrainConfig:
     lr_gamma: float = doc("LR factor per decay (step: every lr_step_epochs epochs; exponential: per epoch)", default=0.1)
     lr_step_epochs: int = doc("epochs between step decays", default=1)
     warmup_steps: int = doc("linear warmup over this many optimizer steps", default=0)
+    clip_grad_norm: float = doc("clip the global gradient norm to this value before each step (0 = off)", default=0.0)
+    on_nonfinite: Literal["stop", "skip"] = doc(
+        "when the loss or gradient norm is NaN/inf on any process: stop every process (exit 5) or skip that step",
+        default="stop")
     log_every_steps: int = doc("write a train line to metrics.jsonl every N optimizer steps", default=50)
     progress_bar: bool = doc("show a tqdm progress bar on the main process", default=True)
 
@@ -64,7 +74,7 @@ class TrainConfig:
 @dataclass
 class Config:
     description: str = doc("one line shown by `accel-train recipes`", default="")
-    task: str = doc("what the model learns: classification", default="classification")
+    task: str = doc("what the model learns: classification, vae", default="classification")
     seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
     output_dir: str = doc("folder for config.yaml, metrics.jsonl and the final model", default="runs/default")
     data: DataConfig = field(default_factory=DataConfig)
@@ -78,8 +88,10 @@ class Config:
 _POSITIVE = {
     "data.train_subset", "data.eval_subset", "data.image_size", "train.epochs", "train.max_steps",
     "train.batch_size", "train.eval_batch_size", "train.lr", "train.lr_step_epochs", "train.log_every_steps",
+    "model.latent_size", "model.hidden_size",
 }
-_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma"}
+_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma",
+                 "train.clip_grad_norm", "model.beta"}
 
 
 def list_recipes() -> dict[str, str]:

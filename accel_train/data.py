@@ -185,7 +185,8 @@ def _in_memory(cfg: DataConfig, name: str, train: bool) -> ImageData:
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     size = cfg.image_size or source.shape[-1]
-    dataset = InMemoryImages(images, labels, source.mean, source.std, augment=train and cfg.augment, size=size)
+    mean, std = (source.mean, source.std) if cfg.normalize else ((0.0,) * len(source.mean), (1.0,) * len(source.std))
+    dataset = InMemoryImages(images, labels, mean, std, augment=train and cfg.augment, size=size)
     return ImageData(dataset, source.num_classes, (source.shape[0], size, size))
 
 
@@ -202,8 +203,8 @@ def imagefolder(cfg: DataConfig, train: bool) -> ImageData:
                                if cfg.augment else [v2.Resize(size, antialias=True), v2.CenterCrop(size)])
     else:
         transform = v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
-    transform = v2.Compose([v2.PILToTensor(), v2.RGB(), transform, v2.ToDtype(torch.float32, scale=True),
-                            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    normalize = [v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)] if cfg.normalize else []
+    transform = v2.Compose([v2.PILToTensor(), v2.RGB(), transform, v2.ToDtype(torch.float32, scale=True), *normalize])
     if cfg.synthetic:
         count = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
         dataset = torchvision.datasets.FakeData(count, image_size=(3, size, size), num_classes=10, transform=transform)

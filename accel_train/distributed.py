@@ -94,11 +94,28 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def any_process(flag: bool, accelerator: Accelerator) -> bool:
-    """True on every process if `flag` is true on any: lets all processes stop (or skip) together."""
+def any_process(flag: bool | torch.Tensor, accelerator: Accelerator) -> bool:
+    """True on every process if `flag` is true on any: lets all processes stop (or skip) together.
+
+    `flag` may be a one-element tensor on the device, which saves a host sync before the reduction.
+    """
     import torch
 
-    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum").item() > 0)
+    flag = flag.float().reshape(1) if torch.is_tensor(flag) else torch.tensor([float(flag)], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+TEST_NONFINITE_ENV = "ACCEL_TRAIN_TEST_NONFINITE_AT"
+
+
+def injected_nonfinite_step(accelerator: Accelerator) -> int | None:
+    """Test hook, not a feature: ACCEL_TRAIN_TEST_NONFINITE_AT=STEP:PROCESS makes the loss that PROCESS
+    reports at optimizer step STEP NaN, to check that the others stop with it instead of hanging."""
+    value = os.environ.get(TEST_NONFINITE_ENV)
+    if not value:
+        return None
+    step, _, process = value.partition(":")
+    return int(step) if int(process or 0) == accelerator.process_index else None
 
 
 def run_info(accelerator: Accelerator) -> dict:

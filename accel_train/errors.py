@@ -17,3 +17,9 @@ class LaunchError(UserError):
     """The processes that formed do not match what the launcher asked for."""
 
     exit_code = 4
+
+
+class NonFiniteError(UserError):
+    """The loss or gradient norm became NaN or inf on some process; every process stopped at that step."""
+
+    exit_code = 5

@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -75,10 +75,11 @@ class TrainMeter:
 
     def compute(self) -> dict[str, float]:
         names = sorted(self.sums)
-        local_means = torch.stack([self.sums[name] for name in names]) / self.steps
-        means = self.accelerator.reduce(local_means, reduction="mean").tolist()
+        logs = {}
+        if names:  # every step since the last line may have been skipped (train.on_nonfinite=skip)
+            local_means = torch.stack([self.sums[name] for name in names]) / self.steps
+            logs = dict(zip(names, self.accelerator.reduce(local_means, reduction="mean").tolist()))
         elapsed = time.perf_counter() - self.started
-        logs = dict(zip(names, means))
         logs["samples_per_s"] = self.steps * self.global_batch / elapsed if elapsed > 0 else float("nan")
         self._reset()
         return logs
@@ -142,8 +143,8 @@ class Console(Hook):
               f"{run.output_dir}", flush=True)
 
 
-def default_hooks(config: Config, accelerator: Accelerator) -> Hooks:
+def default_hooks(config: Config, accelerator: Accelerator, task_hooks: Sequence[Hook] = ()) -> Hooks:
     # Only the main process prints and writes files; every hook below is main-process only.
     if not accelerator.is_main_process:
         return Hooks([])
-    return Hooks([RunFolder(), Console(config.train.progress_bar)])
+    return Hooks([RunFolder(), Console(config.train.progress_bar), *task_hooks])

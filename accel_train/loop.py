@@ -11,7 +11,8 @@ The same code runs on one CPU, one GPU, many GPUs and many machines; only the la
     torchrun --nproc_per_node 2 -m accel_train train fashion_mnist_cnn
 
 train.batch_size is global: N processes each take batch_size / N samples per optimizer step.
-Workload specifics live in a Task (tasks.py); features such as logging hook in (hooks.py).
+Workload specifics live in a Task (tasks.py, vae.py); features such as logging hook in (hooks.py);
+guard.py clips gradients and stops (or skips) a step whose loss is not finite on some process.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader
 from accel_train.distributed import make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world
 from accel_train.errors import UserError
+from accel_train.guard import NonFiniteGuard, clip_gradients
 from accel_train.hooks import RunState, TrainMeter, default_hooks
 from accel_train.optim import build_optimizer, build_scheduler, total_steps
 from accel_train.tasks import TASKS
@@ -51,8 +53,9 @@ def train(config: Config) -> dict:
     set_seed(config.seed, device_specific=True)  # augmentation and dropout differ between processes
 
     run = RunState(config, accelerator, len(train_loader), total_steps(config.train, len(train_loader)))
-    hooks = default_hooks(config, accelerator)
+    hooks = default_hooks(config, accelerator, task.hooks(config))
     meter = TrainMeter(accelerator, config.train.batch_size)
+    guard = NonFiniteGuard(config, accelerator)
     hooks.fire("on_train_start", run)
     for run.epoch in range(config.train.epochs):
         model.train()
@@ -60,12 +63,14 @@ def train(config: Config) -> dict:
         for batch in train_loader:
             terms = task.training_step(model, batch)
             accelerator.backward(terms["loss"])
+            grad_norm = clip_gradients(accelerator, model, config.train.clip_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            if guard.allows_step(run, terms, grad_norm):  # the same answer on every process; may raise on all
+                optimizer.step()
+                meter.update(terms)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             run.step += 1
-            meter.update(terms)
             if run.step % config.train.log_every_steps == 0 or run.step == run.total_steps:
                 hooks.fire("on_log", run, {**meter.compute(), "lr": lr})
             hooks.fire("on_step_end", run)

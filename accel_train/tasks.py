@@ -33,6 +33,10 @@ class Task:
         """A fresh `evaluate` metric whose add_batch takes the gathered eval_step output."""
         raise NotImplementedError
 
+    def hooks(self, config: Config) -> list:
+        """Main-process hooks this workload adds to the run (e.g. pictures after each evaluation)."""
+        return []
+
 
 TASKS: Registry[Task] = Registry("task", "task")
 
@@ -85,3 +89,7 @@ class _WithArgs:
 
     def compute(self) -> dict:
         return self.metric.compute(**self.compute_kwargs)
+
+
+# Workloads in their own modules register themselves on import.
+from accel_train import vae  # noqa: E402, F401

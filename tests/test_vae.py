@@ -1,0 +1,121 @@
+"""Contracts of the VAE workload and of the non-finite guard that every recipe shares."""
+
+import math
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from accel_train.distributed import TEST_NONFINITE_ENV
+from conftest import last_json_line, launch, needs_fashion_mnist, read_metrics, run_cli
+
+TERMS = {"loss", "reconstruction_loss", "kl"}
+# 97 samples in batches of 20: a ragged last batch that splits evenly across neither 2 nor 3 processes
+SYNTHETIC = ["data.synthetic=true", "data.train_subset=48", "data.eval_subset=97", "train.eval_batch_size=20",
+             "model.hidden_size=32", "model.latent_size=4"]
+TINY_RUN = [*SYNTHETIC, "train.batch_size=12", "train.log_every_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vae")
+    run_cli("train", "mnist_vae", f"output_dir={out}", *TINY_RUN, "train.max_steps=3")
+    return out
+
+
+def test_vae_logs_its_loss_terms_and_draws_pictures_after_each_evaluation(trained):
+    train_lines, (eval_line,) = read_metrics(trained, "train"), read_metrics(trained, "eval")
+    assert [line["step"] for line in train_lines] == [1, 2, 3]
+    for line in [*train_lines, eval_line]:
+        assert TERMS <= set(line) and all(math.isfinite(line[name]) for name in TERMS)
+        assert line["loss"] == pytest.approx(line["reconstruction_loss"] + line["kl"], rel=1e-5)  # beta = 1
+    assert eval_line["num_samples"] == 97
+    pairs, samples = trained / "images" / "reconstructions_step000003.png", trained / "images" / "samples_step000003.png"
+    with Image.open(pairs) as image:
+        image.load()
+        # 16 of the first 20 eval images (whole rows of 8) above their reconstructions: 4 rows of 28 px + padding
+        assert image.size == (8 * 30 + 2, 4 * 30 + 2)
+    with Image.open(samples) as image:
+        image.load()
+        assert image.size == (8 * 30 + 2, 8 * 30 + 2)  # 64 draws from the prior
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+def test_vae_eval_terms_are_identical_at_any_world_size(trained, processes):
+    reference = read_metrics(trained, "eval")[-1]  # the same weights, evaluated by the plain 1-process run
+    result = last_json_line(launch(processes, "eval", "mnist_vae", f"checkpoint={trained}", *SYNTHETIC).stdout)
+    assert result["num_samples"] == 97
+    for name in TERMS:
+        assert result[name] == pytest.approx(reference[name], rel=1e-6), name
+
+
+def test_nonfinite_loss_on_one_process_stops_every_process_at_that_step(trained, tmp_path, monkeypatch):
+    good_model = (trained / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(good_model)
+    monkeypatch.setenv(TEST_NONFINITE_ENV, "3:1")  # process 1 alone reports a NaN loss at step 3
+    started = time.monotonic()
+    result = launch(2, "train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, "train.epochs=3",
+                    timeout=120, check=False)
+    assert time.monotonic() - started < 60, "the processes did not stop together"
+    assert result.returncode != 0
+    reports = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert len(reports) == 1, result.stderr[-3000:]
+    assert "non-finite" in reports[0] and "at step 3" in reports[0]
+    assert "process 1: loss=nan" in reports[0] and "process 0: loss=" in reports[0] and "kl=" in reports[0]
+    train_lines = read_metrics(tmp_path, "train")
+    assert [line["step"] for line in train_lines] == [1, 2]  # terms averaged over both processes, then the stop
+    assert all(TERMS <= set(line) for line in train_lines)
+    assert (tmp_path / "model.safetensors").read_bytes() == good_model
+
+
+def test_nonfinite_stop_exits_5_and_keeps_the_model_written_before(trained, tmp_path, monkeypatch):
+    good_model = (trained / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(good_model)
+    monkeypatch.setenv(TEST_NONFINITE_ENV, "2:0")
+    result = run_cli("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, check=False)
+    assert result.returncode == 5, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("accel-train: error: non-finite loss or gradient norm at step 2")
+    assert (tmp_path / "model.safetensors").read_bytes() == good_model
+
+
+def test_on_nonfinite_skip_skips_that_step_and_trains_on(tmp_path, monkeypatch):
+    monkeypatch.setenv(TEST_NONFINITE_ENV, "2:0")
+    result = run_cli("train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, "train.max_steps=3",
+                     "train.on_nonfinite=skip")
+    assert result.stdout.count("step skipped on every process") == 1
+    lines = {line["step"]: line for line in read_metrics(tmp_path, "train")}
+    assert "loss" not in lines[2]  # a skipped step contributes nothing to the averages
+    assert math.isfinite(lines[3]["loss"]) and (tmp_path / "model.safetensors").is_file()
+
+
+def test_clip_grad_norm_returns_the_norm_before_clipping_and_0_leaves_gradients_alone():
+    from accelerate import Accelerator
+
+    from accel_train.guard import clip_gradients
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 1, bias=False)
+    for max_norm, expected_after in [(0.0, 10.0), (1.0, 1.0)]:
+        model.weight.grad = torch.tensor([[6.0, 8.0, 0.0]])
+        assert clip_gradients(accelerator, model, max_norm).item() == pytest.approx(10.0)
+        assert model.weight.grad.norm().item() == pytest.approx(expected_after, rel=1e-5)
+
+
+def test_vae_refuses_standardised_pixels_before_any_work():
+    from accel_train.config import load_config
+    from accel_train.errors import UserError
+    from accel_train.tasks import TASKS
+
+    with pytest.raises(UserError, match="data.normalize=false"):
+        TASKS.get("vae")().check_config(load_config("mnist_vae", ["data.normalize=true"]))
+
+
+@needs_fashion_mnist
+def test_fashion_mnist_vae_beats_a_model_that_predicts_grey_for_every_pixel(tmp_path):
+    out = tmp_path / "run"
+    run_cli("train", "fashion_mnist_vae", f"output_dir={out}", f"data.root={tmp_path / 'data'}",
+            "data.train_subset=1280", "data.eval_subset=500", "train.batch_size=64", "train.epochs=1")
+    (eval_line,) = read_metrics(out, "eval")
+    grey = 28 * 28 * math.log(2)  # -log p(x) of any image under p = 0.5 per pixel, with kl = 0: 543 nats
+    assert eval_line["loss"] < 0.85 * grey, eval_line  # 417 nats after these 20 steps; 526 untrained
