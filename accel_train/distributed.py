@@ -7,7 +7,9 @@ and Accelerator's main-process helpers.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from accel_train.errors import LaunchError, UserError
@@ -34,15 +36,16 @@ def is_reporting_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def make_accelerator(seed: int) -> Accelerator:
+def make_accelerator(seed: int, collective_timeout_s: float = 600) -> Accelerator:
     """An Accelerator that forms a real process group on whatever hardware is present.
 
     Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
     scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
-    data order a function of (seed, epoch) alone.
+    data order a function of (seed, epoch) alone. A collective that waits longer than
+    `collective_timeout_s` (a peer died or hangs) fails the job instead of hanging for NCCL's 30 minutes.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
@@ -57,6 +60,7 @@ def make_accelerator(seed: int) -> Accelerator:
         cpu=use_cpu,
         mixed_precision=mixed_precision,
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
     )
     expected = launcher_world_size()
     if expected is not None and expected != accelerator.num_processes:
@@ -99,6 +103,36 @@ def any_process(flag: bool, accelerator: Accelerator) -> bool:
     import torch
 
     return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum").item() > 0)
+
+
+class StopSignals:
+    """Records SIGTERM / SIGINT instead of dying on them, so all processes can stop together at a step boundary.
+
+    Launchers (torchrun, accelerate launch, SLURM, Kubernetes) forward the signal to every worker and
+    then allow a grace period before SIGKILL; a second signal (the launcher forwarding Ctrl-C once more)
+    must not cut the checkpoint short, so it is only noted.
+    """
+
+    HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        import threading
+
+        self.received: str | None = None
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for sig in self.HANDLED:
+                signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            print(f"accel-train: {self.received} received by process {os.environ.get('RANK', '0')}: saving a "
+                  "checkpoint at the next step boundary, then exiting", file=sys.stderr, flush=True)
+
+
+def stop_requested(signals: StopSignals, accelerator: Accelerator) -> bool:
+    """True on every process once any process got SIGTERM / SIGINT (one small all-reduce per call)."""
+    return any_process(signals.received is not None, accelerator)
 
 
 def run_info(accelerator: Accelerator) -> dict:

@@ -17,3 +17,13 @@ class LaunchError(UserError):
     """The processes that formed do not match what the launcher asked for."""
 
     exit_code = 4
+
+
+class Preempted(Exception):
+    """SIGTERM / SIGINT stopped training after a checkpoint was saved; `resume=auto` continues. Exit code 75.
+
+    75 is EX_TEMPFAIL ("try again later"), distinct from a failure (1), a user mistake (2) and a plain
+    kill by signal (128 + N), so a job scheduler can requeue on exactly this code.
+    """
+
+    exit_code = 75

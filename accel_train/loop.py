@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
+from accel_train.checkpoint import resume
 from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader
 from accel_train.distributed import make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world
@@ -33,7 +34,7 @@ from accel_train.tasks import TASKS
 def train(config: Config) -> dict:
     task = TASKS.get(config.task)()
     task.check_config(config)
-    accelerator = make_accelerator(config.seed)
+    accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
@@ -51,13 +52,17 @@ def train(config: Config) -> dict:
     set_seed(config.seed, device_specific=True)  # augmentation and dropout differ between processes
 
     run = RunState(config, accelerator, len(train_loader), total_steps(config.train, len(train_loader)))
+    start = resume(config, accelerator, model, run)  # resume=auto / PATH: weights, optimizer, scheduler, RNG, step
     hooks = default_hooks(config, accelerator)
     meter = TrainMeter(accelerator, config.train.batch_size)
     hooks.fire("on_train_start", run)
-    for run.epoch in range(config.train.epochs):
+    for run.epoch in range(start.epoch, config.train.epochs):
         model.train()
         train_loader.set_epoch(run.epoch)
-        for batch in train_loader:
+        # The seedable sampler's order depends on (seed, epoch) only; skipping what the checkpoint already
+        # trained makes a resumed epoch see exactly the batches an uninterrupted run would.
+        resumed_epoch = run.epoch == start.epoch and start.skip
+        for batch in accelerator.skip_first_batches(train_loader, start.skip) if resumed_epoch else train_loader:
             terms = task.training_step(model, batch)
             accelerator.backward(terms["loss"])
             lr = scheduler.get_last_lr()[0]
