@@ -245,16 +245,16 @@ def _refuse_other_runs(folder: Path, meta: dict, config: Config, accelerator: Ac
         raise UserError(f"resume: {folder} is from another run ({', '.join(f'{k}={value(saved, k)}' for k in differ)}; "
                         f"this run has {', '.join(f'{k}={value(ours, k)}' for k in differ)}); use another output_dir "
                         "or resume=null")
+    mismatch = _shape_mismatch(folder / "model.safetensors", accelerator.unwrap_model(model))
+    if mismatch:
+        raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "
+                        f"{mismatch}; use another output_dir or resume=null")
     if meta["world_size"] != accelerator.num_processes:
         raise UserError(f"resume: {folder} was saved by {meta['world_size']} process(es), this run has "
                         f"{accelerator.num_processes}; resume with --num_processes {meta['world_size']}")
     if meta["steps_per_epoch"] != run.steps_per_epoch:
         raise UserError(f"resume: {folder} has {meta['steps_per_epoch']} steps per epoch, this run "
                         f"{run.steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
-    mismatch = _shape_mismatch(folder / "model.safetensors", model)
-    if mismatch:
-        raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "
-                        f"{mismatch}; use another output_dir or resume=null")
 
 
 def _shape_mismatch(weights: Path, model: torch.nn.Module) -> str | None:
