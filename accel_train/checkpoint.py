@@ -162,7 +162,7 @@ class Checkpointer(Hook):
     def __init__(self, config: Config, accelerator: Accelerator) -> None:
         self.cfg = config.checkpoint
         self.enabled = bool(self.cfg.every_steps) or self.cfg.at_epoch_end
-        self.signals = StopSignals()
+        self.signals = StopSignals(config.train.collective_timeout_s)
         self.manager = CheckpointManager(config, accelerator)
 
     def _due(self, run: RunState) -> bool:

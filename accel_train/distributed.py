@@ -115,9 +115,11 @@ class StopSignals:
 
     HANDLED = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, collective_timeout_s: float = 600) -> None:
         import threading
 
+        self.timeout = timedelta(seconds=collective_timeout_s)
+        self._group = None
         self.received: str | None = None
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             for sig in self.HANDLED:
@@ -131,8 +133,22 @@ class StopSignals:
 
 
 def stop_requested(signals: StopSignals, accelerator: Accelerator) -> bool:
-    """True on every process once any process got SIGTERM / SIGINT (one small all-reduce per call)."""
-    return any_process(signals.received is not None, accelerator)
+    """True on every process once any process got SIGTERM / SIGINT.
+
+    Asked at every step, so it must not wait for the GPU: the flag is summed over a CPU (gloo) group,
+    whereas an all-reduce on the NCCL group would need a host sync that stalls the step pipeline.
+    """
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(signals.received is not None)])
+    if accelerator.num_processes == 1:
+        return bool(flag.item())
+    if signals._group is None:  # every process gets here at the same step, as new_group requires
+        signals._group = dist.new_group(backend="gloo", timeout=signals.timeout) \
+            if dist.get_backend() != "gloo" else dist.group.WORLD
+    dist.all_reduce(flag, group=signals._group)
+    return flag.item() > 0
 
 
 def run_info(accelerator: Accelerator) -> dict:
