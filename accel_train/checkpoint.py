@@ -108,9 +108,13 @@ class CheckpointManager:
         return final
 
     def _publish(self, run: RunState, evaluated: bool, partial: Path, name: str, seconds: float) -> Path:
+        fsync_started = time.perf_counter()
         existing = list_checkpoints(self.directory)
         files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*"))
                  if path.is_file()}
+        for relative in files:  # durable before the rename publishes them
+            _fsync(partial / relative)
+        seconds += time.perf_counter() - fsync_started
         metrics_path = run.output_dir / METRICS_FILE
         meta = {
             "format": FORMAT,
@@ -129,8 +133,6 @@ class CheckpointManager:
             "config": self.config.to_dict(),
         }
         _write_synced(partial / META_FILE, json.dumps(meta, indent=1))
-        for relative in files:  # durable before the rename publishes them
-            _fsync(partial / relative)
         final = self.directory / name
         suffix = 1
         while final.exists():  # same step saved before, e.g. in a timeline abandoned by resume=PATH

@@ -11,7 +11,8 @@ The same code runs on one CPU, one GPU, many GPUs and many machines; only the la
     torchrun --nproc_per_node 2 -m accel_train train fashion_mnist_cnn
 
 train.batch_size is global: N processes each take batch_size / N samples per optimizer step.
-Workload specifics live in a Task (tasks.py); features such as logging hook in (hooks.py).
+Workload specifics live in a Task (tasks.py); features such as logging hook in (hooks.py), and so does
+checkpointing (checkpoint.py): add `resume=auto` to any command above to continue a stopped run exactly.
 """
 
 from __future__ import annotations
