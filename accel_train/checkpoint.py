@@ -191,6 +191,13 @@ class Checkpointer(Hook):
                         f"checkpoint saved in {saved}; run the same command with resume=auto to continue")
 
 
+def check_resume(config: Config) -> None:
+    """Reject a `resume=PATH` that is not a checkpoint before any data is loaded."""
+    if config.resume not in (None, "auto") and read_meta(Path(config.resume)) is None:
+        raise UserError(f"resume={config.resume}: not a checkpoint (no readable {META_FILE}); pass a folder "
+                        f"under OUTPUT_DIR/checkpoints/, or resume=auto")
+
+
 def resume(config: Config, accelerator: Accelerator, model: torch.nn.Module, run: RunState) -> ResumePoint:
     """Load the checkpoint `config.resume` names (all processes) and say where training continues."""
     if not config.resume:
@@ -204,12 +211,8 @@ def resume(config: Config, accelerator: Accelerator, model: torch.nn.Module, run
             accelerator.print(f"resume=auto: no checkpoint in {directory}; starting from step 0")
             return ResumePoint()
     else:
-        folder = Path(config.resume)
-        meta = read_meta(folder)
-        if meta is None:
-            raise UserError(f"resume={config.resume}: not a checkpoint (no readable {META_FILE}); pass a folder "
-                            f"under OUTPUT_DIR/checkpoints/, or resume=auto")
-        candidates = [(folder, meta)]
+        check_resume(config)
+        candidates = [(Path(config.resume), read_meta(Path(config.resume)))]
     for folder, meta in reversed(candidates):
         _refuse_other_runs(folder, meta, config, accelerator, model, run)
         trouble = _damage(folder, meta) or _load(accelerator, folder)
@@ -218,8 +221,8 @@ def resume(config: Config, accelerator: Accelerator, model: torch.nn.Module, run
         _warn(accelerator, f"checkpoint {folder} is unusable ({trouble or 'another process could not load it'}); "
                            "trying the previous one")
     else:
-        raise UserError(f"resume={config.resume}: no loadable checkpoint in {directory if config.resume == 'auto' else folder}; "
-                        "set resume=null to start from step 0")
+        where = directory if config.resume == "auto" else config.resume
+        raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from step 0")
     run.step = meta["step"]
     run.last_eval = dict(meta["metrics"])
     if folder.parent.resolve() == directory.resolve():

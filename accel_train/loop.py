@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from accel_train.checkpoint import resume
+from accel_train.checkpoint import check_resume, resume
 from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader
 from accel_train.distributed import make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world
@@ -35,6 +35,7 @@ from accel_train.tasks import TASKS
 def train(config: Config) -> dict:
     task = TASKS.get(config.task)()
     task.check_config(config)
+    check_resume(config)
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     set_seed(config.seed)  # the same initial weights on every process
