@@ -170,3 +170,31 @@ def test_retention_keeps_the_newest_n_and_the_earliest_best():
     assert to_keep(history, 2, "accuracy", "max") == {Path("c4"), Path("c7"), Path("c8")}
     assert to_keep(history, 1, "accuracy", "min") == {Path("c2"), Path("c8")}
     assert to_keep(history, 3, "loss", "min") == {Path("c6"), Path("c7"), Path("c8")}  # never reported: newest only
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_loading_a_checkpoint_never_runs_code_from_it(reference, tmp_path):
+    from accelerate import Accelerator
+
+    from accel_train.checkpoint import _load
+    from accel_train.config import TrainConfig
+    from accel_train.models import MnistCNN
+    from accel_train.optim import build_optimizer, build_scheduler
+
+    folder = shutil.copytree(checkpoints(reference)[-1][0], tmp_path / "checkpoint")
+    marker = tmp_path / "code-ran"
+    torch.save({"state": _RunsCode(marker)}, folder / "optimizer.bin")  # a pickle that calls a function on load
+    accelerator = Accelerator(cpu=True)
+    model = MnistCNN(10, (1, 28, 28))
+    optimizer = build_optimizer(TrainConfig(), model)
+    accelerator.prepare(model, optimizer, build_scheduler(TrainConfig(), optimizer, STEPS_PER_EPOCH))
+    trouble = _load(accelerator, folder)
+    assert trouble is not None and "UnpicklingError" in trouble, trouble
+    assert not marker.exists()
