@@ -223,6 +223,7 @@ def resume(config: Config, accelerator: Accelerator, model: torch.nn.Module, run
     else:
         where = directory if config.resume == "auto" else config.resume
         raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from step 0")
+    _note_schedule_changes(folder, meta, config, accelerator)
     run.step = meta["step"]
     run.last_eval = dict(meta["metrics"])
     if folder.parent.resolve() == directory.resolve():
@@ -260,6 +261,18 @@ def _refuse_other_runs(folder: Path, meta: dict, config: Config, accelerator: Ac
     if meta["steps_per_epoch"] != run.steps_per_epoch:
         raise UserError(f"resume: {folder} has {meta['steps_per_epoch']} steps per epoch, this run "
                         f"{run.steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
+
+
+def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator: Accelerator) -> None:
+    """The scheduler's state (LRFactor's settings, base LRs) loads with the checkpoint, so say what it overrides."""
+    saved, ours = meta["config"]["train"], config.to_dict()["train"]
+    keys = ["lr", "schedule", "lr_gamma", "lr_step_epochs", "warmup_steps"]
+    if ours["schedule"] == "cosine":  # the only schedule whose shape depends on the run's length
+        keys += ["epochs", "max_steps"]
+    changed = [f"train.{key} {saved.get(key)} -> {ours[key]}" for key in keys if saved.get(key) != ours[key]]
+    if changed:
+        _warn(accelerator, f"resuming {folder}: the LR schedule continues as saved there, ignoring "
+                           f"{', '.join(changed)}")
 
 
 def _shape_mismatch(weights: Path, model: torch.nn.Module) -> str | None:
