@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from accel_train.errors import UserError
+from accel_train.errors import Preempted, UserError
 
 USAGE = """\
 accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a shipped name or a YAML file
@@ -39,15 +39,18 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         _report(err)
         sys.exit(err.exit_code)
+    except Preempted as stop:
+        _report(stop, prefix="accel-train: ")
+        sys.exit(stop.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
 
 
-def _report(err: UserError) -> None:
+def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
     from accel_train.distributed import is_reporting_process
 
     if is_reporting_process():
-        print(f"accel-train: error: {err}", file=sys.stderr, flush=True)
+        print(f"{prefix}{err}", file=sys.stderr, flush=True)
 
 
 def _run(args: argparse.Namespace) -> None:

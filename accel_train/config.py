@@ -69,6 +69,18 @@ class TrainConfig:
         default="stop")
     log_every_steps: int = doc("write a train line to metrics.jsonl every N optimizer steps", default=50)
     progress_bar: bool = doc("show a tqdm progress bar on the main process", default=True)
+    collective_timeout_s: int = doc("seconds a process waits for the others in a collective before the job fails "
+                                    "(bounds the hang when a worker dies)", default=600)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: Optional[int] = doc("save a checkpoint every N optimizer steps (unset = only at epoch ends)", default=None)
+    at_epoch_end: bool = doc("save a checkpoint after each epoch's evaluation (and at the end of the run)", default=True)
+    keep_last: int = doc("keep the newest N checkpoints, plus the best one when best_metric is set", default=2)
+    best_metric: Optional[str] = doc("eval metric that picks the best checkpoint to keep (e.g. accuracy; unset = none)",
+                                     default=None)
+    best_mode: Literal["max", "min"] = doc("whether a higher (max) or lower (min) best_metric is better", default="max")
 
 
 @dataclass
@@ -76,10 +88,13 @@ class Config:
     description: str = doc("one line shown by `accel-train recipes`", default="")
     task: str = doc("what the model learns: classification, vae", default="classification")
     seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
-    output_dir: str = doc("folder for config.yaml, metrics.jsonl and the final model", default="runs/default")
+    output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model", default="runs/default")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: Optional[str] = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
+                                "or the path of a checkpoint folder", default=None)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,6 +104,7 @@ _POSITIVE = {
     "data.train_subset", "data.eval_subset", "data.image_size", "train.epochs", "train.max_steps",
     "train.batch_size", "train.eval_batch_size", "train.lr", "train.lr_step_epochs", "train.log_every_steps",
     "model.latent_size", "model.hidden_size",
+    "train.collective_timeout_s", "checkpoint.every_steps", "checkpoint.keep_last",
 }
 _NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma",
                  "train.clip_grad_norm", "model.beta"}
@@ -233,7 +249,7 @@ def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
 
 
 def _check_ranges(config: Config) -> None:
-    for section in ("data", "model", "train"):
+    for section in ("data", "model", "train", "checkpoint"):
         for name, value in dataclasses.asdict(getattr(config, section)).items():
             key = f"{section}.{name}"
             if value is None:

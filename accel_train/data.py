@@ -243,7 +243,12 @@ def make_loader(data: ImageData, global_batch: int, train: bool, num_workers: in
     if train and len(data.dataset) < global_batch:
         raise UserError(f"the training set has {len(data.dataset)} samples, fewer than train.batch_size={global_batch}; "
                         "lower train.batch_size or raise data.train_subset")
+    # A loader of its own generator: otherwise each new iterator draws its seed from the global RNG, the
+    # stream dropout uses, and a resumed run (whose iterator starts mid-epoch) would see other dropout masks.
+    # The order of samples is the seedable sampler's, a function of (seed, epoch) alone.
+    generator = torch.Generator().manual_seed(0)
     if data.in_memory:
-        return DataLoader(data.dataset, batch_size=global_batch, shuffle=train, drop_last=train, collate_fn=keep_batch)
+        return DataLoader(data.dataset, batch_size=global_batch, shuffle=train, drop_last=train, collate_fn=keep_batch,
+                          generator=generator)
     return DataLoader(data.dataset, batch_size=global_batch, shuffle=train, drop_last=train, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0)
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)

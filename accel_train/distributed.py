@@ -7,7 +7,9 @@ and Accelerator's main-process helpers.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from accel_train.errors import LaunchError, UserError
@@ -34,15 +36,16 @@ def is_reporting_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def make_accelerator(seed: int) -> Accelerator:
+def make_accelerator(seed: int, collective_timeout_s: float = 600) -> Accelerator:
     """An Accelerator that forms a real process group on whatever hardware is present.
 
     Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
     scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
-    data order a function of (seed, epoch) alone.
+    data order a function of (seed, epoch) alone. A collective that waits longer than
+    `collective_timeout_s` (a peer died or hangs) fails the job instead of hanging for NCCL's 30 minutes.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
@@ -57,6 +60,7 @@ def make_accelerator(seed: int) -> Accelerator:
         cpu=use_cpu,
         mixed_precision=mixed_precision,
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
     )
     expected = launcher_world_size()
     if expected is not None and expected != accelerator.num_processes:
@@ -116,6 +120,52 @@ def injected_nonfinite_step(accelerator: Accelerator) -> int | None:
         return None
     step, _, process = value.partition(":")
     return int(step) if int(process or 0) == accelerator.process_index else None
+
+
+class StopSignals:
+    """Records SIGTERM / SIGINT instead of dying on them, so all processes can stop together at a step boundary.
+
+    Launchers (torchrun, accelerate launch, SLURM, Kubernetes) forward the signal to every worker and
+    then allow a grace period before SIGKILL; a second signal (the launcher forwarding Ctrl-C once more)
+    must not cut the checkpoint short, so it is only noted.
+    """
+
+    HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, collective_timeout_s: float = 600) -> None:
+        import threading
+
+        self.timeout = timedelta(seconds=collective_timeout_s)
+        self._group = None
+        self.received: str | None = None
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for sig in self.HANDLED:
+                signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            print(f"accel-train: {self.received} received by process {os.environ.get('RANK', '0')}: saving a "
+                  "checkpoint at the next step boundary, then exiting", file=sys.stderr, flush=True)
+
+
+def stop_requested(signals: StopSignals, accelerator: Accelerator) -> bool:
+    """True on every process once any process got SIGTERM / SIGINT.
+
+    Asked at every step, so it must not wait for the GPU: the flag is summed over a CPU (gloo) group,
+    whereas an all-reduce on the NCCL group would need a host sync that stalls the step pipeline.
+    """
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(signals.received is not None)])
+    if accelerator.num_processes == 1:
+        return bool(flag.item())
+    if signals._group is None:  # every process gets here at the same step, as new_group requires
+        signals._group = dist.new_group(backend="gloo", timeout=signals.timeout) \
+            if dist.get_backend() != "gloo" else dist.group.WORLD
+    dist.all_reduce(flag, group=signals._group)
+    return flag.item() > 0
 
 
 def run_info(accelerator: Accelerator) -> dict:

@@ -6,13 +6,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from accelerate import Accelerator
 
 from accel_train.config import Config, save_config
 from accel_train.distributed import run_info
+
+METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -27,6 +29,7 @@ class RunState:
     step: int = 0  # optimizer steps taken
     should_stop: bool = False
     last_eval: dict = field(default_factory=dict)
+    resumed_metrics_lines: Optional[int] = None  # lines of metrics.jsonl the resumed checkpoint had seen
 
     @property
     def output_dir(self) -> Path:
@@ -86,12 +89,22 @@ class TrainMeter:
 
 
 class RunFolder(Hook):
-    """Writes config.yaml (resolved config + launch facts) and metrics.jsonl into output_dir."""
+    """Writes config.yaml (resolved config + launch facts) and metrics.jsonl into output_dir.
+
+    A resumed run keeps the lines its checkpoint had seen and appends, so metrics.jsonl reads as if the
+    run had never stopped (lines written after that checkpoint, by the run that died, are dropped).
+    """
 
     def on_train_start(self, run: RunState) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(run.config, run.output_dir / "config.yaml", run_info(run.accelerator))
-        self.metrics = open(run.output_dir / "metrics.jsonl", "w", buffering=1)
+        path = run.output_dir / METRICS_FILE
+        if run.resumed_metrics_lines is not None and path.is_file():
+            kept = path.read_text().splitlines(keepends=True)[:run.resumed_metrics_lines]
+            path.write_text("".join(kept))
+            self.metrics = open(path, "a", buffering=1)
+        else:
+            self.metrics = open(path, "w", buffering=1)
 
     def on_log(self, run: RunState, logs: dict) -> None:
         self._write({"split": "train", "epoch": run.epoch, "step": run.step, **logs})
@@ -144,7 +157,9 @@ class Console(Hook):
 
 
 def default_hooks(config: Config, accelerator: Accelerator, task_hooks: Sequence[Hook] = ()) -> Hooks:
-    # Only the main process prints and writes files; every hook below is main-process only.
-    if not accelerator.is_main_process:
-        return Hooks([])
-    return Hooks([RunFolder(), Console(config.train.progress_bar), *task_hooks])
+    from accel_train.checkpoint import Checkpointer
+
+    # Only the main process prints and writes run files; checkpointing is collective, so it runs on every
+    # process, and last, so a checkpoint includes the lines the other hooks just logged.
+    main_only = [RunFolder(), Console(config.train.progress_bar), *task_hooks] if accelerator.is_main_process else []
+    return Hooks([*main_only, Checkpointer(config, accelerator)])

@@ -11,7 +11,8 @@ The same code runs on one CPU, one GPU, many GPUs and many machines; only the la
     torchrun --nproc_per_node 2 -m accel_train train fashion_mnist_cnn
 
 train.batch_size is global: N processes each take batch_size / N samples per optimizer step.
-Workload specifics live in a Task (tasks.py, vae.py); features such as logging hook in (hooks.py);
+Workload specifics live in a Task (tasks.py, vae.py); features such as logging hook in (hooks.py), and so does
+checkpointing (checkpoint.py): add `resume=auto` to any command above to continue a stopped run exactly.
 guard.py clips gradients and stops (or skips) a step whose loss is not finite on some process.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
+from accel_train.checkpoint import check_resume, resume
 from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader
 from accel_train.distributed import make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world
@@ -35,7 +37,8 @@ from accel_train.tasks import TASKS
 def train(config: Config) -> dict:
     task = TASKS.get(config.task)()
     task.check_config(config)
-    accelerator = make_accelerator(config.seed)
+    check_resume(config)
+    accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
@@ -53,14 +56,18 @@ def train(config: Config) -> dict:
     set_seed(config.seed, device_specific=True)  # augmentation and dropout differ between processes
 
     run = RunState(config, accelerator, len(train_loader), total_steps(config.train, len(train_loader)))
+    start = resume(config, accelerator, model, run)  # resume=auto / PATH: weights, optimizer, scheduler, RNG, step
     hooks = default_hooks(config, accelerator, task.hooks(config))
     meter = TrainMeter(accelerator, config.train.batch_size)
     guard = NonFiniteGuard(config, accelerator)
     hooks.fire("on_train_start", run)
-    for run.epoch in range(config.train.epochs):
+    for run.epoch in range(start.epoch, config.train.epochs):
         model.train()
         train_loader.set_epoch(run.epoch)
-        for batch in train_loader:
+        # The seedable sampler's order depends on (seed, epoch) only; skipping what the checkpoint already
+        # trained makes a resumed epoch see exactly the batches an uninterrupted run would.
+        resumed_epoch = run.epoch == start.epoch and start.skip
+        for batch in accelerator.skip_first_batches(train_loader, start.skip) if resumed_epoch else train_loader:
             terms = task.training_step(model, batch)
             accelerator.backward(terms["loss"])
             grad_norm = clip_gradients(accelerator, model, config.train.clip_grad_norm)

@@ -40,12 +40,25 @@ def run_cli(*args: str, timeout: int = 300, check: bool = True) -> subprocess.Co
     return _run([PYTHON, "-m", "accel_train", *args], timeout, check)
 
 
+def _launch_command(num_processes: int, args: tuple[str, ...], profile: str) -> list[str]:
+    return [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / profile),
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), "-m", "accel_train", *args]
+
+
 def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", timeout: int = 300,
            check: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`."""
-    command = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / profile),
-               "--num_processes", str(num_processes), "--main_process_port", str(free_port()), "-m", "accel_train", *args]
-    return _run(command, timeout, check)
+    return _run(_launch_command(num_processes, args, profile), timeout, check)
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`."""
+    with open(log, "w") as handle:
+        return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
+
+
+def start_launch(num_processes: int, *args: str, log: Path, profile: str = "multi_gpu.yaml") -> subprocess.Popen:
+    return start(_launch_command(num_processes, args, profile), log)
 
 
 def _run(command: list[str], timeout: int, check: bool) -> subprocess.CompletedProcess:

@@ -1,0 +1,200 @@
+"""Contracts of checkpoints and resume, with 2 processes through the shipped multi_gpu profile (gloo on CPU).
+
+One uninterrupted run is the reference. A run stopped in any way (max_steps at an epoch boundary or
+mid-epoch, SIGTERM, a killed worker, a damaged newest checkpoint) and continued with resume=auto must
+reproduce its train losses line by line and its final weights bit for bit. Dropout stays on, so the
+restored RNG state has to give the same masks.
+"""
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from accel_train.checkpoint import list_checkpoints, to_keep
+from conftest import PYTHON, REPO, launch, read_metrics, run_cli, start, start_launch
+
+STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
+RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.train_subset=240", "data.eval_subset=50",
+       "train.batch_size=24", "train.epochs=3", "train.log_every_steps=1",
+       "checkpoint.every_steps=4", "checkpoint.keep_last=2", "checkpoint.best_metric=accuracy"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    launch(2, *RUN, f"output_dir={out}")
+    return out
+
+
+def train_lines(out: Path) -> list[dict]:
+    return [{key: line[key] for key in ("epoch", "step", "loss", "lr")} for line in read_metrics(out, "train")]
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    assert train_lines(out) == train_lines(reference)
+    epoch_end_evals = [line for line in read_metrics(out, "eval") if line["step"] % STEPS_PER_EPOCH == 0]
+    assert epoch_end_evals == read_metrics(reference, "eval")
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+def checkpoints(out: Path) -> list[tuple[Path, dict]]:
+    return list_checkpoints(out / "checkpoints")
+
+
+def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"exited {process.returncode} too early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out:\n{log.read_text()[-3000:]}"
+        time.sleep(0.02)
+
+
+def test_checkpoints_keep_the_newest_and_the_best_and_describe_themselves(reference):
+    kept = {meta["step"]: (folder, meta) for folder, meta in checkpoints(reference)}
+    evals = read_metrics(reference, "eval")
+    best = max(evals, key=lambda line: line["accuracy"])["step"]  # the earliest of equals
+    # 9 saves (every 4 steps and at each epoch end); the newest 2 remain, plus the best evaluated one
+    assert set(kept) == {28, 30, best}
+    assert not list((reference / "checkpoints").glob(".*")), "no partial folder is left behind"
+    folder, meta = kept[30]
+    assert (meta["epoch"], meta["batches_done_in_epoch"], meta["evaluated"], meta["world_size"]) == (2, 10, True, 2)
+    assert meta["metrics"] == {k: v for k, v in evals[-1].items() if k not in ("split", "epoch", "step")}
+    saved_config = yaml.safe_load((reference / "config.yaml").read_text())
+    saved_config.pop("run")
+    assert meta["config"] == saved_config
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "random_states_1.pkl"} \
+        <= set(meta["files"])
+    assert all((folder / name).stat().st_size == size for name, size in meta["files"].items())
+
+
+def test_resume_after_stops_at_an_epoch_boundary_and_mid_epoch_equals_the_uninterrupted_run(reference, tmp_path):
+    launch(2, *RUN, f"output_dir={tmp_path}", "train.max_steps=10")  # stops at the end of epoch 0
+    launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto", "train.max_steps=15")  # then mid-epoch 1
+    result = launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
+    assert "step 15, epoch 1, 5 batches of it done" in result.stdout
+    assert_same_run(tmp_path, reference)
+
+
+def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_equals_the_uninterrupted_run(reference, tmp_path):
+    log = tmp_path / "log"
+    job = start_launch(2, *RUN, f"output_dir={tmp_path}", log=log)
+    wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path, "train"), job, log)
+    job.send_signal(signal.SIGTERM)
+    job.wait(timeout=60)
+    # The workers exit 75 (see README); accelerate launch / torchrun report their own signal as exit 1.
+    assert job.returncode != 0
+    stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", log.read_text())
+    assert stopped, log.read_text()[-3000:]
+    step = int(stopped.group(1))
+    assert 1 <= step < TOTAL_STEPS
+    assert checkpoints(tmp_path)[-1][1]["step"] == step
+    launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
+    assert_same_run(tmp_path, reference)
+
+
+def test_sigterm_to_a_single_process_exits_75_after_saving(tmp_path):
+    log = tmp_path / "log"
+    job = start([PYTHON, "-m", "accel_train", *RUN, f"output_dir={tmp_path}"], log)
+    wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path, "train"), job, log)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 75, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text()
+    assert checkpoints(tmp_path)[-1][1]["step"] < TOTAL_STEPS
+
+
+def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resume_exactly(reference, tmp_path):
+    log = tmp_path / "log"
+    job = start_launch(2, *RUN, f"output_dir={tmp_path}", "train.collective_timeout_s=30", log=log)
+    wait_for(lambda: checkpoints(tmp_path), job, log)
+    worker = psutil.Process(job.pid).children()[-1]
+    worker.kill()  # SIGKILL: no handler, no checkpoint, like the OOM killer
+    killed = time.monotonic()
+    job.wait(timeout=60)
+    assert job.returncode != 0 and time.monotonic() - killed < 60
+    launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
+    assert_same_run(tmp_path, reference)
+
+
+def test_a_truncated_newest_checkpoint_is_reported_in_one_line_and_the_previous_one_resumes(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (newest, _), (previous, previous_meta) = checkpoints(out)[-1], checkpoints(out)[-2]
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = launch(2, *RUN, f"output_dir={out}", "resume=auto")
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line and str(newest) in line]
+    assert len(warnings) == 1 and "model.safetensors" in warnings[0], result.stderr
+    assert f"resuming from {previous}: step {previous_meta['step']}" in result.stdout
+    assert_same_run(out, reference)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.name=resnet18", ["another run", "model.name=mnist_cnn", "model.name=resnet18"]),
+    ("data.image_size=32", ["does not fit", "classifier.1.weight", "shape"]),
+])
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(reference, tmp_path, override, words):
+    newest = checkpoints(reference)[-1][0]
+    result = run_cli(*RUN, f"output_dir={tmp_path}", f"resume={newest}", override, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert all(word in error for word in words), error
+
+
+def test_the_exported_model_loads_into_the_plain_model_without_accelerate(reference):
+    code = ("import sys\nfrom safetensors.torch import load_file\nfrom accel_train.models import MnistCNN\n"
+            f"MnistCNN(10, (1, 28, 28)).load_state_dict(load_file({str(reference / 'model.safetensors')!r}))\n"
+            "print('accelerate loaded' if 'accelerate' in sys.modules else 'plain')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "plain"
+
+
+def test_retention_keeps_the_newest_n_and_the_earliest_best():
+    def saved(serial, metrics=None):
+        return Path(f"c{serial}"), {"serial": serial, "metrics": metrics or {}}
+
+    history = [saved(1), saved(2, {"accuracy": 0.5}), saved(3), saved(4, {"accuracy": 0.7}),
+               saved(5, {"accuracy": 0.7}), saved(6), saved(7, {"accuracy": 0.6}), saved(8)]
+    assert to_keep(history, 2, None, "max") == {Path("c7"), Path("c8")}
+    assert to_keep(history, 2, "accuracy", "max") == {Path("c4"), Path("c7"), Path("c8")}
+    assert to_keep(history, 1, "accuracy", "min") == {Path("c2"), Path("c8")}
+    assert to_keep(history, 3, "loss", "min") == {Path("c6"), Path("c7"), Path("c8")}  # never reported: newest only
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_loading_a_checkpoint_never_runs_code_from_it(reference, tmp_path):
+    from accelerate import Accelerator
+
+    from accel_train.checkpoint import _load
+    from accel_train.config import TrainConfig
+    from accel_train.models import MnistCNN
+    from accel_train.optim import build_optimizer, build_scheduler
+
+    folder = shutil.copytree(checkpoints(reference)[-1][0], tmp_path / "checkpoint")
+    marker = tmp_path / "code-ran"
+    torch.save({"state": _RunsCode(marker)}, folder / "optimizer.bin")  # a pickle that calls a function on load
+    accelerator = Accelerator(cpu=True)
+    model = MnistCNN(10, (1, 28, 28))
+    optimizer = build_optimizer(TrainConfig(), model)
+    accelerator.prepare(model, optimizer, build_scheduler(TrainConfig(), optimizer, STEPS_PER_EPOCH))
+    trouble = _load(accelerator, folder)
+    assert trouble is not None and "UnpicklingError" in trouble, trouble
+    assert not marker.exists()
