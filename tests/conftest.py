@@ -28,10 +28,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _env() -> dict:
+def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("WORLD_SIZE", None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **(extra or {}))
     return env
 
 
@@ -41,15 +41,19 @@ def run_cli(*args: str, timeout: int = 300, check: bool = True) -> subprocess.Co
 
 
 def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", timeout: int = 300,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`."""
+           check: bool = True, script: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`.
+
+    `script` launches that file instead of the package (a test probe wrapping the CLI).
+    """
+    target = [script] if script else ["-m", "accel_train"]
     command = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / profile),
-               "--num_processes", str(num_processes), "--main_process_port", str(free_port()), "-m", "accel_train", *args]
-    return _run(command, timeout, check)
+               "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *target, *args]
+    return _run(command, timeout, check, env)
 
 
-def _run(command: list[str], timeout: int, check: bool) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(command: list[str], timeout: int, check: bool, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
