@@ -66,3 +66,29 @@ def read_metrics(output_dir: Path, split: str) -> list[dict]:
 
 def last_json_line(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_nodes(commands: list[tuple[list[str], dict]], timeout: int = 300,
+              check: bool = True) -> list[subprocess.CompletedProcess]:
+    """Start every (command, extra env) at once, as the nodes of one job would, and wait for all of them.
+
+    If any runs past `timeout` (a hang at rendezvous or in a collective), all are killed and the test fails.
+    """
+    procs = [subprocess.Popen(command, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for command, env in commands]
+    results = []
+    try:
+        for proc, (command, _) in zip(procs, commands):
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            os.killpg(proc.pid, 9)
+        outputs = [proc.communicate() for proc in procs]
+        raise AssertionError(f"{len(procs)} launches did not finish in {timeout}s (hang?)\n" +
+                             "\n".join(f"{out[0][-2000:]}\n{out[1][-3000:]}" for out in outputs)) from None
+    for result in results:
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(result.args)} exited {result.returncode}\n{result.stdout[-3000:]}\n"
+                                 f"{result.stderr[-5000:]}\n(other nodes: {[r.returncode for r in results]})")
+    return results
