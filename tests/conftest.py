@@ -35,9 +35,9 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_cli(*args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: int = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """`accel-train ARGS` in one plain process."""
-    return _run([PYTHON, "-m", "accel_train", *args], timeout, check)
+    return _run([PYTHON, "-m", "accel_train", *args], timeout, check, env)
 
 
 def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", timeout: int = 300,
