@@ -194,6 +194,16 @@ def check_multi_node(launch: Launch, device: str, timeout: float, report: Report
             report.problem(f"{name}={chosen} but the route to {address} goes through {routing}; export {name}={routing}")
 
     local = {a for addrs in interfaces.values() for a in addrs}
+    if device == "cpu" and not os.environ.get("GLOO_SOCKET_IFNAME") and not address.startswith("127."):
+        # Without GLOO_SOCKET_IFNAME, gloo advertises the address this node's hostname resolves to.
+        hostname = socket.gethostname()
+        try:
+            advertised = socket.gethostbyname(hostname)
+        except OSError:
+            advertised = None
+        if advertised is None or advertised.startswith("127.") or advertised not in local:
+            report.problem(f"this node's hostname {hostname} resolves to {advertised or 'nothing'}, which gloo would "
+                           f"give the other nodes to connect to; export GLOO_SOCKET_IFNAME={routing or '<interface>'}")
     if rank == 0 and address not in local and not address.startswith("127."):
         report.problem(f"this is machine_rank 0 but main_process_ip={ip} is not one of its addresses "
                        f"({', '.join(sorted(local))}); run machine_rank 0 on {ip} or set main_process_ip to this node")

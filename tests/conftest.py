@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,47 @@ def run_nodes(commands: list[tuple[list[str], dict]], timeout: int = 300,
             raise AssertionError(f"{' '.join(result.args)} exited {result.returncode}\n{result.stdout[-3000:]}\n"
                                  f"{result.stderr[-5000:]}\n(other nodes: {[r.returncode for r in results]})")
     return results
+
+
+@dataclass
+class Host:
+    """One network namespace: a "machine" with its own interface and address."""
+
+    namespace: str
+    interface: str
+    address: str
+
+    def run(self, command: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *command]
+
+
+@pytest.fixture(scope="session")
+def two_hosts():
+    """Two network namespaces joined by a veth pair, so "nodes" reach each other only over that link.
+
+    Skips where namespaces cannot be created (needs root or CAP_NET_ADMIN, and iproute2's `ip`).
+    """
+    tag, subnet = f"at{os.getpid() % 100000}", f"10.231.{os.getpid() % 250}"
+    hosts = [Host(f"{tag}n{i}", f"{tag}v{i}", f"{subnet}.{i + 1}") for i in (0, 1)]
+    setup = [["ip", "netns", "add", host.namespace] for host in hosts]
+    setup.append(["ip", "link", "add", hosts[0].interface, "type", "veth", "peer", "name", hosts[1].interface])
+    for host in hosts:
+        setup += [["ip", "link", "set", host.interface, "netns", host.namespace],
+                  ["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface],
+                  ["ip", "-n", host.namespace, "link", "set", host.interface, "up"],
+                  ["ip", "-n", host.namespace, "link", "set", "lo", "up"]]
+    try:
+        for command in setup:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as err:
+        _delete_namespaces(hosts)
+        detail = getattr(err, "stderr", "") or str(err)
+        pytest.skip(f"cannot create network namespaces ({' '.join(command)}: {detail.strip()}); "
+                    "needs root or CAP_NET_ADMIN and iproute2")
+    yield hosts
+    _delete_namespaces(hosts)
+
+
+def _delete_namespaces(hosts: list[Host]) -> None:
+    for host in hosts:  # deleting a namespace deletes its end of the veth pair, and with it the other end
+        subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)

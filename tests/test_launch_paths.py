@@ -134,6 +134,23 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("path", PATHS)
 def test_launch_path_trains_like_one_process_and_evaluates_a_checkpoint_identically(path, reference, tmp_path):
     world_size, nodes = PATHS[path]
+    check_path(path, world_size, nodes, reference, tmp_path)
+
+
+def test_two_hosts_in_network_namespaces_train_like_one_process_over_the_interface_doctor_names(
+        two_hosts, reference, tmp_path):
+    # Separate namespaces: each "node" has only its veth address, and gloo must be told to use it.
+    def nodes(tmp):
+        port = free_port()
+        return [(host.run(accelerate("--config_file", PROFILES / "multi_node.yaml", "--num_processes", 2,
+                                     "--num_machines", 2, "--machine_rank", rank, "--main_process_ip",
+                                     two_hosts[0].address, "--main_process_port", port)),
+                 {"GLOO_SOCKET_IFNAME": host.interface}) for rank, host in enumerate(two_hosts)]
+
+    check_path("multi_node.yaml, 2 network namespaces", 2, nodes, reference, tmp_path)
+
+
+def check_path(path, world_size, nodes, reference, tmp_path):
     out = tmp_path / "run"
     run_nodes([(command + ["train", *RUN, f"output_dir={out}"], env) for command, env in nodes(tmp_path)])
     assert yaml.safe_load((out / "config.yaml").read_text())["run"]["world_size"] == world_size
