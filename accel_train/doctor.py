@@ -71,9 +71,15 @@ def resolve_launch(args, report: Report) -> Launch:
             report.problem(f"accelerate config {path} cannot be read ({str(err).splitlines()[0]}); "
                            "fix the file or pass --config_file to a valid one (accelerate config default writes one)")
             config = {}
+        if not isinstance(config, dict):
+            report.problem(f"accelerate config {path} is not a mapping of settings; regenerate it with accelerate config")
+            config = {}
         for key, kind in CONFIG_KEYS.items():
             if config.get(key) is not None:
-                setattr(launch, key, kind(config[key]))
+                try:
+                    setattr(launch, key, kind(config[key]))
+                except ValueError:
+                    report.problem(f"accelerate config {path}: {key}={config[key]!r} must be a whole number; fix it")
     env = os.environ
     if env.get("WORLD_SIZE"):  # under accelerate launch / torchrun: what the launcher actually passed
         launch.under_launcher = True
