@@ -250,10 +250,11 @@ def check_process_group(device: str, timeout: float, report: Report) -> None:
     started = time.perf_counter()
     backend = {"cuda": "nccl", "xpu": "xccl"}.get(device, "gloo")
     try:
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        target = torch.device("cpu") if device == "cpu" else torch.device(device, int(os.environ.get("LOCAL_RANK", 0)))
+        if device != "cpu":
+            getattr(torch, device).set_device(target)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-        ones = torch.ones(1, device=device if device == "cpu" else f"{device}:{torch.cuda.current_device()}")
+        ones = torch.ones(1, device=target)
         dist.all_reduce(ones)
         joined = int(ones.item())
         dist.destroy_process_group()
