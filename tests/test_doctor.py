@@ -97,3 +97,11 @@ def test_doctor_on_a_separate_host_names_the_interface_gloo_must_use(two_hosts):
 
     (fixed,) = run_nodes([(command, {"GLOO_SOCKET_IFNAME": worker.interface, "NCCL_SOCKET_IFNAME": ""})])
     assert fixed.stdout.strip().endswith("no problems found")
+
+
+def test_doctor_reports_an_unusable_accelerate_config_in_one_line(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("num_processes: many\n")
+    result = doctor("--config_file", str(broken))
+    assert result.returncode == 1
+    assert problems(result) == [f"problem: accelerate config {broken}: num_processes='many' must be a whole number; fix it"]
