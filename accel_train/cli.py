@@ -13,6 +13,7 @@ accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a ship
 accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate exported weights (a run's output_dir)
 accel-train recipes                                      list shipped recipes
 accel-train keys                                         list every config key with its meaning
+accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
 
 Multi-process: accelerate launch --config_file accelerate_configs/multi_gpu.yaml -m accel_train train RECIPE
            or: torchrun --nproc_per_node N -m accel_train train RECIPE
@@ -29,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.lr=0.01")
     commands.add_parser("recipes", help="list shipped recipes")
     commands.add_parser("keys", help="list config keys")
+    doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
+                                 "accelerate config, multi-node network; exit 1 on any problem")
+    from accel_train.doctor import add_arguments  # no torch import: the module imports it only when run
+
+    add_arguments(doctor)
     return parser
 
 
@@ -60,6 +66,10 @@ def _run(args: argparse.Namespace) -> None:
         for name, description in list_recipes().items():
             print(f"{name:24s} {description}")
         return
+    if args.command == "doctor":
+        from accel_train.doctor import run
+
+        sys.exit(run(args))
     if args.command == "keys":
         for key, type_name, text, default in describe_keys():
             print(f"{key:24s} {type_name:12s} default {default!s:10s} {text}")

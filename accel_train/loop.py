@@ -9,6 +9,11 @@ The same code runs on one CPU, one GPU, many GPUs and many machines; only the la
         --main_process_ip 10.0.0.1 -m accel_train train fashion_mnist_cnn   # then --machine_rank 1 on node 2
     accelerate launch --config_file accelerate_configs/cpu.yaml -m accel_train train fashion_mnist_cnn
     torchrun --nproc_per_node 2 -m accel_train train fashion_mnist_cnn
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --rdzv_backend static --master_addr 10.0.0.1 \\
+        --master_port 29500 -m accel_train train fashion_mnist_cnn           # then --node_rank 1 on node 2
+    sbatch accelerate_configs/slurm_multi_node.sbatch train fashion_mnist_cnn   # SLURM, one launch per node
+
+Before a multi-node run, `accel-train doctor` on each node names whatever would make the launch fail.
 
 train.batch_size is global: N processes each take batch_size / N samples per optimizer step.
 Workload specifics live in a Task (tasks.py, vae.py); features such as logging hook in (hooks.py), and so does

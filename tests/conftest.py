@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,27 +29,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _env() -> dict:
+def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("WORLD_SIZE", None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **(extra or {}))
     return env
 
 
-def run_cli(*args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: int = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """`accel-train ARGS` in one plain process."""
-    return _run([PYTHON, "-m", "accel_train", *args], timeout, check)
+    return _run([PYTHON, "-m", "accel_train", *args], timeout, check, env)
 
 
-def _launch_command(num_processes: int, args: tuple[str, ...], profile: str) -> list[str]:
+def _launch_command(num_processes: int, args: tuple[str, ...], profile: str, script: str | None = None) -> list[str]:
+    target = [script] if script else ["-m", "accel_train"]
     return [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / profile),
-            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), "-m", "accel_train", *args]
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *target, *args]
 
 
 def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", timeout: int = 300,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`."""
-    return _run(_launch_command(num_processes, args, profile), timeout, check)
+           check: bool = True, script: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`.
+
+    `script` launches that file instead of the package (a test probe wrapping the CLI).
+    """
+    return _run(_launch_command(num_processes, args, profile, script), timeout, check, env)
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
@@ -61,8 +66,8 @@ def start_launch(num_processes: int, *args: str, log: Path, profile: str = "mult
     return start(_launch_command(num_processes, args, profile), log)
 
 
-def _run(command: list[str], timeout: int, check: bool) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(command: list[str], timeout: int, check: bool, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -75,3 +80,73 @@ def read_metrics(output_dir: Path, split: str) -> list[dict]:
 
 def last_json_line(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_nodes(commands: list[tuple[list[str], dict]], timeout: int = 300,
+              check: bool = True) -> list[subprocess.CompletedProcess]:
+    """Start every (command, extra env) at once, as the nodes of one job would, and wait for all of them.
+
+    If any runs past `timeout` (a hang at rendezvous or in a collective), all are killed and the test fails.
+    """
+    procs = [subprocess.Popen(command, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for command, env in commands]
+    results = []
+    try:
+        for proc, (command, _) in zip(procs, commands):
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            os.killpg(proc.pid, 9)
+        outputs = [proc.communicate() for proc in procs]
+        raise AssertionError(f"{len(procs)} launches did not finish in {timeout}s (hang?)\n" +
+                             "\n".join(f"{out[0][-2000:]}\n{out[1][-3000:]}" for out in outputs)) from None
+    for result in results:
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(result.args)} exited {result.returncode}\n{result.stdout[-3000:]}\n"
+                                 f"{result.stderr[-5000:]}\n(other nodes: {[r.returncode for r in results]})")
+    return results
+
+
+@dataclass
+class Host:
+    """One network namespace: a "machine" with its own interface and address."""
+
+    namespace: str
+    interface: str
+    address: str
+
+    def run(self, command: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *command]
+
+
+@pytest.fixture(scope="session")
+def two_hosts():
+    """Two network namespaces joined by a veth pair, so "nodes" reach each other only over that link.
+
+    Skips where namespaces cannot be created (needs root or CAP_NET_ADMIN, and iproute2's `ip`).
+    """
+    tag, subnet = f"at{os.getpid() % 100000}", f"10.231.{os.getpid() % 250}"
+    hosts = [Host(f"{tag}n{i}", f"{tag}v{i}", f"{subnet}.{i + 1}") for i in (0, 1)]
+    setup = [["ip", "netns", "add", host.namespace] for host in hosts]
+    setup.append(["ip", "link", "add", hosts[0].interface, "type", "veth", "peer", "name", hosts[1].interface])
+    for host in hosts:
+        setup += [["ip", "link", "set", host.interface, "netns", host.namespace],
+                  ["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface],
+                  ["ip", "-n", host.namespace, "link", "set", host.interface, "up"],
+                  ["ip", "-n", host.namespace, "link", "set", "lo", "up"]]
+    try:
+        for command in setup:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as err:
+        _delete_namespaces(hosts)
+        detail = getattr(err, "stderr", "") or str(err)
+        pytest.skip(f"cannot create network namespaces ({' '.join(command)}: {detail.strip()}); "
+                    "needs root or CAP_NET_ADMIN and iproute2")
+    yield hosts
+    _delete_namespaces(hosts)
+
+
+def _delete_namespaces(hosts: list[Host]) -> None:
+    for host in hosts:  # deleting a namespace deletes its end of the veth pair, and with it the other end
+        subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)

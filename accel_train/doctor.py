@@ -1,0 +1,312 @@
+"""`accel-train doctor`: what a launch on this node will use, and every problem that would make it fail.
+
+Run it on each node before a long job, plainly (settings from flags and the accelerate config file) or
+under the launcher you will use (`accelerate launch ... -m accel_train doctor`, `torchrun ... -m
+accel_train doctor`): then the processes also join the process group, which proves the launch works.
+Each problem is one line saying what to change; the exit code is 1 when there is any.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+PROBLEM_EXIT_CODE = 1
+CONFIG_KEYS = {"distributed_type": str, "num_processes": int, "num_machines": int, "machine_rank": int,
+               "main_process_ip": str, "main_process_port": int, "mixed_precision": str}
+
+
+@dataclass
+class Launch:
+    """The launch settings doctor checks, from flags > launcher environment > accelerate config file."""
+
+    config_file: Optional[str] = None
+    distributed_type: str = "NO"
+    num_processes: int = 1
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: Optional[str] = None
+    main_process_port: int = 29500
+    mixed_precision: str = "no"
+    under_launcher: bool = False
+    sources: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    lines: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def info(self, topic: str, text: str) -> None:
+        self.lines.append((topic, text))
+
+    def problem(self, text: str) -> None:
+        self.problems.append(text)
+
+
+def find_config_file(given: Optional[str]) -> Optional[Path]:
+    """The file `accelerate launch` would read: --config_file, else Accelerate's default config, if present."""
+    if given:
+        return Path(given)
+    from accelerate.commands.config.config_args import default_config_file
+
+    return Path(default_config_file) if Path(default_config_file).is_file() else None
+
+
+def resolve_launch(args, report: Report) -> Launch:
+    import yaml
+
+    launch = Launch()
+    path = find_config_file(args.config_file)
+    if path is not None:
+        launch.config_file = str(path)
+        try:
+            config = yaml.safe_load(path.read_text()) or {}  # JSON (accelerate config default) is YAML too
+        except (OSError, yaml.YAMLError) as err:
+            report.problem(f"accelerate config {path} cannot be read ({str(err).splitlines()[0]}); "
+                           "fix the file or pass --config_file to a valid one (accelerate config default writes one)")
+            config = {}
+        if not isinstance(config, dict):
+            report.problem(f"accelerate config {path} is not a mapping of settings; regenerate it with accelerate config")
+            config = {}
+        for key, kind in CONFIG_KEYS.items():
+            if config.get(key) is not None:
+                try:
+                    setattr(launch, key, kind(config[key]))
+                except ValueError:
+                    report.problem(f"accelerate config {path}: {key}={config[key]!r} must be a whole number; fix it")
+    env = os.environ
+    if env.get("WORLD_SIZE"):  # under accelerate launch / torchrun: what the launcher actually passed
+        launch.under_launcher = True
+        launch.num_processes = int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_WORLD_SIZE", launch.num_processes))
+        launch.num_machines = max(1, launch.num_processes // max(1, local))
+        launch.machine_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", launch.machine_rank)))
+        launch.main_process_ip = env.get("MASTER_ADDR", launch.main_process_ip)
+        launch.main_process_port = int(env.get("MASTER_PORT", launch.main_process_port))
+    if env.get("ACCELERATE_MIXED_PRECISION"):
+        launch.mixed_precision = env["ACCELERATE_MIXED_PRECISION"]
+    for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"):
+        if getattr(args, key) is not None:
+            setattr(launch, key, getattr(args, key))
+    if args.mixed_precision is not None:
+        launch.mixed_precision = args.mixed_precision
+    return launch
+
+
+def check_devices(launch: Launch, report: Report) -> str:
+    """Report devices, backend and mixed precision; return the device type ("cuda", "xpu" or "cpu")."""
+    import torch
+
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        device, backend = "cuda", "nccl"
+        report.info("devices", f"{len(names)} CUDA GPU(s): {', '.join(names)}")
+    elif hasattr(torch, "xpu") and torch.xpu.is_available():
+        names = [f"xpu:{i}" for i in range(torch.xpu.device_count())]
+        device, backend = "xpu", "xccl"
+        report.info("devices", f"{len(names)} Intel XPU(s)")
+    else:
+        names, device, backend = [], "cpu", "gloo"
+        report.info("devices", f"no GPU visible; CPU with {os.cpu_count()} cores")
+    report.info("backend", backend + ("" if device != "cpu" or launch.num_processes == 1 else
+                                      f" ({launch.num_processes} CPU processes form one gloo group)"))
+
+    available = {"no"}
+    if device == "cuda":
+        available |= {"fp16"} | ({"bf16"} if torch.cuda.is_bf16_supported() else set())
+        if torch.cuda.get_device_capability(0) >= (8, 9):
+            available.add("fp8")
+    else:
+        available.add("bf16")  # CPU and XPU autocast support bf16
+    wanted = launch.mixed_precision
+    if wanted in available:
+        report.info("mixed precision", f"{wanted} (available here: {', '.join(sorted(available))})")
+    elif device == "cpu" and wanted == "fp16":
+        report.info("mixed precision", "fp16 requested but unavailable on CPU: accel-train trains in fp32 "
+                                       f"(available here: {', '.join(sorted(available))})")
+    else:
+        report.problem(f"mixed_precision={wanted} is not available on this node ({', '.join(sorted(available))} are); "
+                       f"set mixed_precision to one of those in the accelerate config or with --mixed_precision")
+
+    per_machine = launch.num_processes // max(1, launch.num_machines)
+    if device in ("cuda", "xpu") and launch.distributed_type != "NO" and per_machine > len(names):
+        report.problem(f"{per_machine} processes per machine but this node has {len(names)} GPU(s); set num_processes "
+                       f"to {len(names)} x num_machines = {len(names) * launch.num_machines}")
+    return device
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    import psutil
+
+    return {name: [a.address for a in addrs if a.family == socket.AF_INET]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def route_source(host: str, port: int) -> Optional[str]:
+    """This node's address on the route to host (a UDP connect sends nothing, it only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((host, port))
+            return sock.getsockname()[0]
+        except OSError:
+            return None
+
+
+def check_multi_node(launch: Launch, device: str, timeout: float, report: Report) -> None:
+    n, machines, rank = launch.num_processes, launch.num_machines, launch.machine_rank
+    if n % machines:
+        report.problem(f"num_processes={n} does not divide by num_machines={machines}: num_processes is the total over "
+                       f"all machines; set it to processes per machine x {machines}, e.g. {max(1, n // machines) * machines}")
+    if not 0 <= rank < machines:
+        report.problem(f"machine_rank={rank} must be 0..{machines - 1}: give each node its own --machine_rank, 0 on "
+                       "the node at main_process_ip")
+    ip, port = launch.main_process_ip, launch.main_process_port
+    if not ip:
+        report.problem("main_process_ip is not set: set it (or pass --main_process_ip) to machine 0's address that "
+                       "every node can reach")
+        return
+    try:
+        address = socket.gethostbyname(ip)
+    except OSError:
+        report.problem(f"main_process_ip={ip} does not resolve on this node; use machine 0's IP address instead")
+        return
+
+    interfaces = interface_addresses()
+    source = route_source(address, port)
+    routing = next((name for name, addrs in interfaces.items() if source in addrs), None)
+    for name, addrs in sorted(interfaces.items()):
+        mark = "  <- routes to the main node" if name == routing else ""
+        report.info("interface", f"{name:10s} {', '.join(addrs) or '(no IPv4 address)'}{mark}")
+    variable = "NCCL_SOCKET_IFNAME" if device == "cuda" else "GLOO_SOCKET_IFNAME"
+    if routing is None:
+        report.problem(f"no interface of this node routes to main_process_ip={ip}; check the address and this node's "
+                       "network configuration")
+    else:
+        report.info("suggest", f"export {variable}={routing}  (the interface that routes to {address})")
+    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        chosen = os.environ.get(name)
+        if not chosen or chosen.startswith(("^", "=")):  # exclusion / exact-match syntax: leave to the user
+            continue
+        if not any(interface in interfaces for interface in chosen.split(",")):
+            report.problem(f"{name}={chosen} names no interface of this node ({', '.join(sorted(interfaces))}); "
+                           f"export {name}={routing or '<interface>'}")
+        elif routing and routing not in chosen.split(","):
+            report.problem(f"{name}={chosen} but the route to {address} goes through {routing}; export {name}={routing}")
+
+    local = {a for addrs in interfaces.values() for a in addrs}
+    if device == "cpu" and not os.environ.get("GLOO_SOCKET_IFNAME") and not address.startswith("127."):
+        # Without GLOO_SOCKET_IFNAME, gloo advertises the address this node's hostname resolves to.
+        hostname = socket.gethostname()
+        try:
+            advertised = socket.gethostbyname(hostname)
+        except OSError:
+            advertised = None
+        if advertised is None or advertised.startswith("127.") or advertised not in local:
+            report.problem(f"this node's hostname {hostname} resolves to {advertised or 'nothing'}, which gloo would "
+                           f"give the other nodes to connect to; export GLOO_SOCKET_IFNAME={routing or '<interface>'}")
+    if rank == 0 and address not in local and not address.startswith("127."):
+        report.problem(f"this is machine_rank 0 but main_process_ip={ip} is not one of its addresses "
+                       f"({', '.join(sorted(local))}); run machine_rank 0 on {ip} or set main_process_ip to this node")
+    elif rank == 0 and not launch.under_launcher:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("" if address.startswith("127.") else address, port))
+                report.info("main process", f"{ip}:{port} is this node and the port is free")
+            except OSError as err:
+                report.problem(f"main_process_port={port} cannot be opened on this node ({err.strerror}); "
+                               "choose another free port with --main_process_port on every node")
+    elif rank > 0:
+        report.info("main process", connect(address, ip, port, timeout, report))
+
+
+def connect(address: str, ip: str, port: int, timeout: float, report: Report) -> str:
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return f"{ip}:{port} reachable; machine 0 is listening"
+    except ConnectionRefusedError:
+        return (f"{ip} reachable but nothing listens on port {port} yet (fine before machine 0 starts; "
+                "afterwards, a firewall or a wrong main_process_port)")
+    except OSError as err:
+        why = "timed out" if isinstance(err, socket.timeout) else (err.strerror or errno.errorcode.get(err.errno, str(err)))
+        report.problem(f"cannot reach main_process_ip:port {ip}:{port} from this node ({why} after {timeout:g} s); "
+                       "use machine 0's address on a network this node shares and open the port in its firewall")
+        return f"{ip}:{port} unreachable"
+
+
+def check_process_group(device: str, timeout: float, report: Report) -> None:
+    """Under a launcher: join the group the training run would form and sum one number across it."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    backend = {"cuda": "nccl", "xpu": "xccl"}.get(device, "gloo")
+    try:
+        target = torch.device("cpu") if device == "cpu" else torch.device(device, int(os.environ.get("LOCAL_RANK", 0)))
+        if device != "cpu":
+            getattr(torch, device).set_device(target)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        ones = torch.ones(1, device=target)
+        dist.all_reduce(ones)
+        joined = int(ones.item())
+        dist.destroy_process_group()
+    except Exception as err:  # any failure to form the group is the finding itself
+        report.problem(f"the process group did not form ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                       "see the interface and main process lines above")
+        return
+    expected = int(os.environ["WORLD_SIZE"])
+    if joined != expected:
+        report.problem(f"{joined} processes joined but the launcher asked for {expected}")
+    else:
+        report.info("process group", f"{joined} processes joined over {backend} in {time.perf_counter() - started:.1f} s")
+
+
+def run(args) -> int:
+    report = Report()
+    launch = resolve_launch(args, report)
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    where = f"machine {launch.machine_rank} of {launch.num_machines}" if launch.num_machines > 1 else "single machine"
+    report.info("node", f"{socket.gethostname()} ({where}{', under a launcher' if launch.under_launcher else ''})")
+    if launch.under_launcher:  # the file the launcher read is not visible here; its settings are
+        config = f"as launched: {launch.num_processes} process(es) on {launch.num_machines} machine(s)"
+    elif launch.config_file:
+        config = (f"{launch.config_file}: distributed_type {launch.distributed_type}, "
+                  f"{launch.num_processes} process(es) on {launch.num_machines} machine(s)")
+    else:
+        config = "none found: accelerate launch will use its defaults; pass --config_file or run `accelerate config`"
+    report.info("accelerate config", config)
+    device = check_devices(launch, report)
+    if launch.num_machines > 1:
+        check_multi_node(launch, device, args.timeout, report)
+    if launch.under_launcher:
+        check_process_group(device, args.timeout, report)
+    if local_rank == 0 or report.problems:  # one report per node; any process with a problem speaks
+        prefix = f"[rank {rank}] " if launch.under_launcher else ""
+        out = [f"{prefix}{topic:18s} {text}" for topic, text in report.lines]
+        out += [f"{prefix}problem: {text}" for text in report.problems]
+        out.append(f"{prefix}{len(report.problems)} problem(s): a launch with these settings would fail" if report.problems
+                   else f"{prefix}no problems found")
+        print("\n".join(out), flush=True)
+    return PROBLEM_EXIT_CODE if report.problems else 0
+
+
+def add_arguments(parser) -> None:
+    """The `accelerate launch` flags that decide whether a launch works, so doctor checks the same command."""
+    parser.add_argument("--config_file", help="accelerate config file (default: Accelerate's default config if present)")
+    parser.add_argument("--num_processes", type=int, help="total processes over all machines")
+    parser.add_argument("--num_machines", type=int)
+    parser.add_argument("--machine_rank", type=int, help="this node's rank, 0 on the main node")
+    parser.add_argument("--main_process_ip", help="machine 0's address")
+    parser.add_argument("--main_process_port", type=int)
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16", "fp8"])
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the main node and the process group")
+

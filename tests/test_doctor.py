@@ -1,0 +1,107 @@
+"""`accel-train doctor`: a node check a user runs before a long job; one line per problem, exit 1 if any."""
+
+import socket
+
+import pytest
+
+from conftest import PROFILES, PYTHON, free_port, run_cli, run_nodes
+
+MULTI_NODE = ["--config_file", str(PROFILES / "multi_node.yaml")]
+
+
+def doctor(*args, env=None):
+    result = run_cli("doctor", *args, check=False, env={"GLOO_SOCKET_IFNAME": "", "NCCL_SOCKET_IFNAME": "", **(env or {})})
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def problems(result) -> list[str]:
+    return [line for line in result.stdout.splitlines() if line.startswith("problem:")]
+
+
+def test_doctor_reports_devices_backend_mixed_precision_and_the_config_it_read():
+    result = doctor("--config_file", str(PROFILES / "multi_gpu.yaml"))
+    assert result.returncode == 0 and result.stdout.strip().endswith("no problems found")
+    lines = dict(line.split(None, 1) for line in result.stdout.splitlines() if not line.startswith("mixed"))
+    assert "multi_gpu.yaml" in result.stdout and "distributed_type MULTI_GPU" in result.stdout
+    assert lines["backend"].startswith("gloo") and "no GPU visible" in lines["devices"]
+    assert "fp16 requested but unavailable on CPU: accel-train trains in fp32" in result.stdout
+
+
+@pytest.fixture
+def listening_port():
+    """A port something listens on, standing in for machine 0's rendezvous store."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_doctor_on_a_worker_node_finds_the_main_node_and_the_interface_that_routes_to_it(listening_port):
+    result = doctor(*MULTI_NODE, "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
+                    "--main_process_port", str(listening_port))
+    assert result.returncode == 0, result.stdout
+    assert f"127.0.0.1:{listening_port} reachable" in result.stdout
+    assert "lo         127.0.0.1  <- routes to the main node" in result.stdout
+    assert "export GLOO_SOCKET_IFNAME=lo" in result.stdout
+
+
+def test_doctor_names_each_problem_in_one_line_and_exits_nonzero():
+    result = doctor(*MULTI_NODE, "--num_processes", "3", "--machine_rank", "2", "--main_process_ip", "127.0.0.1",
+                    "--main_process_port", str(free_port()), "--mixed_precision", "fp8",
+                    env={"GLOO_SOCKET_IFNAME": "nosuchif0"})
+    assert result.returncode == 1, result.stdout
+    found = problems(result)
+    for says in ("num_processes=3 does not divide by num_machines=2", "machine_rank=2 must be 0..1",
+                 "GLOO_SOCKET_IFNAME=nosuchif0 names no interface of this node",
+                 "mixed_precision=fp8 is not available on this node"):
+        assert sum(says in problem for problem in found) == 1, (says, result.stdout)
+    assert len(found) == 4 and result.stdout.strip().endswith("4 problem(s): a launch with these settings would fail")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--machine_rank", "1", "--main_process_ip", "no-such-host.invalid"], "does not resolve on this node"),
+    (["--machine_rank", "0", "--main_process_ip", "203.0.113.9"], "this is machine_rank 0 but main_process_ip"),
+])
+def test_doctor_says_when_the_main_node_address_cannot_work(args, says):
+    result = doctor(*MULTI_NODE, "--main_process_port", str(free_port()), *args)
+    assert result.returncode == 1 and any(says in problem for problem in problems(result)), result.stdout
+
+
+def test_doctor_on_the_main_node_refuses_a_port_already_in_use(listening_port):
+    result = doctor(*MULTI_NODE, "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+                    "--main_process_port", str(listening_port))
+    assert result.returncode == 1
+    (problem,) = problems(result)
+    assert f"main_process_port={listening_port} cannot be opened" in problem and "--main_process_port" in problem
+
+
+def test_doctor_under_a_two_machine_launch_joins_the_process_group():
+    port = free_port()
+    nodes = [([PYTHON, "-m", "accelerate.commands.launch", *MULTI_NODE, "--num_processes", "2", "--num_machines", "2",
+               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "-m", "accel_train", "doctor"], {}) for rank in (0, 1)]
+    for rank, result in enumerate(run_nodes(nodes, timeout=120)):
+        assert f"[rank {rank}] process group      2 processes joined over gloo" in result.stdout
+        assert f"[rank {rank}] no problems found" in result.stdout
+
+
+def test_doctor_on_a_separate_host_names_the_interface_gloo_must_use(two_hosts):
+    main, worker = two_hosts
+    command = worker.run([PYTHON, "-m", "accel_train", "doctor", *MULTI_NODE, "--machine_rank", "1",
+                          "--main_process_ip", main.address, "--timeout", "3"])
+    (bare,) = run_nodes([(command, {"GLOO_SOCKET_IFNAME": "", "NCCL_SOCKET_IFNAME": ""})], check=False)
+    assert bare.returncode == 1, bare.stdout
+    assert any(f"export GLOO_SOCKET_IFNAME={worker.interface}" in problem for problem in problems(bare)), bare.stdout
+    assert f"{worker.interface:10s} {worker.address}  <- routes to the main node" in bare.stdout
+
+    (fixed,) = run_nodes([(command, {"GLOO_SOCKET_IFNAME": worker.interface, "NCCL_SOCKET_IFNAME": ""})])
+    assert fixed.stdout.strip().endswith("no problems found")
+
+
+def test_doctor_reports_an_unusable_accelerate_config_in_one_line(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("num_processes: many\n")
+    result = doctor("--config_file", str(broken))
+    assert result.returncode == 1
+    assert problems(result) == [f"problem: accelerate config {broken}: num_processes='many' must be a whole number; fix it"]

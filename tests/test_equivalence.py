@@ -1,0 +1,123 @@
+"""Contracts users rely on when they change the number of processes: same global batch, same training.
+
+Runs go through the shipped multi_gpu profile (a gloo group on CPU) and tests/launched_probe.py, which
+is the real CLI plus recorders of what each process read, drew for augmentation, and the LR schedules.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import launch, read_metrics
+
+PROBE = "tests/launched_probe.py"
+STEPS_PER_EPOCH, EPOCHS = 3, 2
+# 77 samples = 3 global batches of 24 per epoch and 5 left over; 101 eval samples split evenly across neither
+# 2 nor 3 processes: these runs are also the uneven-size cases at 1, 2 and 3 processes.
+SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=77", "data.eval_subset=101",
+                     "model.dropout=false", "train.batch_size=24", "train.eval_batch_size=50", f"train.epochs={EPOCHS}",
+                     "train.schedule=cosine", "train.warmup_steps=2", "train.log_every_steps=1"]
+# 50 training samples leave 2 over a global batch of 24; 2 eval samples are fewer than the processes.
+UNEVEN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=50", "data.eval_subset=2", "train.batch_size=24",
+          "train.eval_batch_size=4", "train.epochs=2", "train.log_every_steps=1"]
+
+
+def probe(tmp_path, processes: int, args: list[str]) -> tuple:
+    out, probes = tmp_path / "run", tmp_path / "probe"
+    launch(processes, "train", *args, f"output_dir={out}", script=PROBE, env={"PROBE_DIR": str(probes)}, timeout=240)
+    ranks = [json.loads((probes / f"rank{rank}.json").read_text()) for rank in range(processes)]
+    return out, ranks
+
+
+@pytest.fixture(scope="module")
+def same_global_batch(tmp_path_factory):
+    """The same recipe, seed and global batch at 1, 2 and 3 processes: {processes: (output_dir, probes)}."""
+    return {n: probe(tmp_path_factory.mktemp(f"procs{n}"), n, SAME_GLOBAL_BATCH) for n in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def augmented_uneven(tmp_path_factory):
+    return probe(tmp_path_factory.mktemp("augmented"), 3, [*UNEVEN, "data.augment=true", "seed=1"])
+
+
+def global_batches(ranks: list[dict]) -> list[list[int]]:
+    """With split batches, process r reads slice r of each global batch."""
+    return [sum(slices, []) for slices in zip(*(rank["batches"] for rank in ranks))]
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_n_processes_with_batch_b_end_with_the_weights_of_one_process_with_batch_nb(same_global_batch, processes):
+    one = load_file(str(same_global_batch[1][0] / "model.safetensors"))
+    many = load_file(str(same_global_batch[processes][0] / "model.safetensors"))
+    assert one.keys() == many.keys()
+    for name, reference in one.items():
+        relative = (many[name] - reference).norm() / reference.norm()
+        assert relative <= 1e-5, f"{name}: {processes} processes differ from 1 by {relative:.2e} (relative)"
+    losses = [[line["loss"] for line in read_metrics(same_global_batch[n][0], "train")] for n in (1, processes)]
+    assert len(losses[0]) == STEPS_PER_EPOCH * EPOCHS
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_learning_rate_at_every_step_is_the_same_at_1_2_and_3_processes(same_global_batch):
+    from accel_train.config import TrainConfig
+    from accel_train.optim import LRFactor
+
+    logged = {n: [line["lr"] for line in read_metrics(out, "train")] for n, (out, _) in same_global_batch.items()}
+    assert logged[1] == logged[2] == logged[3]
+    trained = TrainConfig(schedule="cosine", warmup_steps=2, epochs=EPOCHS)
+    assert logged[1] == pytest.approx([1e-3 * LRFactor(trained, STEPS_PER_EPOCH)(s) for s in range(6)], rel=1e-12)
+
+    # Every shipped schedule with warmup, stepped through a prepared scheduler on every process.
+    for schedule in ("constant", "step", "exponential", "cosine"):
+        cfg = TrainConfig(schedule=schedule, warmup_steps=3, lr_gamma=0.5, epochs=3, lr=0.1)
+        expected = [0.1 * LRFactor(cfg, steps_per_epoch=4)(step) for step in range(12)]
+        for processes, (_, ranks) in same_global_batch.items():
+            for rank in ranks:
+                assert rank["lr"][schedule] == pytest.approx(expected, rel=1e-12), (schedule, processes)
+
+
+def test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs(same_global_batch):
+    orders = {n: global_batches(ranks) for n, (_, ranks) in same_global_batch.items()}
+    # Three separate runs with the same seed: the same global batches in the same order.
+    assert orders[1] == orders[2] == orders[3]
+    epochs = [sum(orders[1][e * STEPS_PER_EPOCH:(e + 1) * STEPS_PER_EPOCH], []) for e in range(EPOCHS)]
+    assert all(len(set(epoch)) == 72 and set(epoch) <= set(range(77)) for epoch in epochs)  # no sample twice
+    assert epochs[0] != epochs[1]
+
+
+def test_shuffling_is_a_function_of_seed_and_epoch():
+    from torch.utils.data import TensorDataset
+
+    from accel_train.data import ImageData, make_loader
+    from accel_train.distributed import make_accelerator
+
+    def order(seed: int, epoch: int) -> list[int]:
+        accelerator = make_accelerator(seed)
+        data = ImageData(TensorDataset(torch.arange(40)), num_classes=1, image_shape=(1, 1, 1))
+        loader = accelerator.prepare(make_loader(data, 8, True, 0, False))
+        loader.set_epoch(epoch)
+        return torch.cat([batch for (batch,) in loader]).tolist()
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 1) == order(0, 1)
+    assert order(0, 0) != order(0, 1)
+    assert order(0, 0) != order(1, 0)
+
+
+def test_augmentation_randomness_differs_between_processes(augmented_uneven):
+    _, ranks = augmented_uneven
+    first_batches = [rank["augment"][0] for rank in ranks]
+    assert len({json.dumps(draws) for draws in first_batches}) == 3, "two processes drew the same crops and flips"
+    assert ranks[0]["augment"][0] != ranks[0]["augment"][1], "a process drew the same crops for two batches"
+
+
+def test_uneven_dataset_sizes_train_and_evaluate_without_crash_or_hang(same_global_batch, augmented_uneven):
+    for processes, (out, _) in same_global_batch.items():
+        assert [line["step"] for line in read_metrics(out, "train")] == list(range(1, 7)), processes
+        assert [line["num_samples"] for line in read_metrics(out, "eval")] == [101, 101], processes
+    # Fewer eval samples than processes, and a training set of 2 global batches and 2 samples.
+    out, _ = augmented_uneven
+    assert [line["step"] for line in read_metrics(out, "train")] == [1, 2, 3, 4]
+    assert [line["num_samples"] for line in read_metrics(out, "eval")] == [2, 2]

@@ -1,0 +1,198 @@
+"""Every way a user launches accel-train trains and evaluates through it, with the numbers of one plain process.
+
+Each path trains the same seed and global batch (losses must match a plain single process) and evaluates
+one shared checkpoint (metrics must be identical). On a GPU-less machine the GPU profiles form a gloo
+group on the CPU; "nodes" are launches on 127.0.0.1 started together.
+"""
+
+import random
+import socket
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import PROFILES, PYTHON, free_port, last_json_line, read_metrics, run_cli, run_nodes
+
+# 48 samples / global batch 24 = 2 steps per epoch; 101 eval samples split evenly across no 2 processes.
+RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=101", "model.dropout=false",
+       "train.batch_size=24", "train.eval_batch_size=50", "train.epochs=2", "train.log_every_steps=1",
+       "train.schedule=exponential", "train.lr_gamma=0.5"]
+STEPS = 4
+
+# What `accelerate config` writes for "multi-GPU, 1 machine, 2 GPUs, fp16" (the interactive wizard's answers).
+WIZARD_MULTI_GPU = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: fp16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def accelerate(*options) -> list[str]:
+    return [PYTHON, "-m", "accelerate.commands.launch", *map(str, options), "-m", "accel_train"]
+
+
+def torchrun(*options) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", *map(str, options), "-m", "accel_train"]
+
+
+def one_machine(*command) -> list:
+    return [(list(command), {})]
+
+
+def config_default(tmp: Path) -> Path:
+    path = tmp / "default_config.yaml"
+    if not path.exists():
+        run_nodes([([PYTHON, "-m", "accelerate.commands.accelerate_cli", "config", "default", "--config_file", str(path)],
+                    {})])
+    return path
+
+
+def wizard_file(tmp: Path) -> Path:
+    path = tmp / "wizard_multi_gpu.yaml"
+    path.write_text(WIZARD_MULTI_GPU)
+    return path
+
+
+def slurm_nodes(tmp: Path, nodes: int = 2, dry_run: bool = False, **slurm) -> list:
+    """The sbatch file as each node's srun task runs it, with SLURM's variables faked and a fake scontrol."""
+    fake = tmp / "fake_slurm_bin"
+    fake.mkdir(exist_ok=True)
+    scontrol = fake / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "127.0.0.1\\n127.0.0.2\\n"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    path = f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin"  # `accelerate` from this Python's environment
+    env = {"PATH": path, "ACCEL_TRAIN_NODE_TASK": "1", "SLURM_JOB_NUM_NODES": str(nodes),
+           "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": str(job_id_with_free_port()), **slurm}
+    if dry_run:
+        env["ACCEL_TRAIN_DRY_RUN"] = "1"
+    return [(["bash", "accelerate_configs/slurm_multi_node.sbatch"], {**env, "SLURM_NODEID": str(rank)})
+            for rank in range(nodes)]
+
+
+def job_id_with_free_port() -> int:
+    """A SLURM job id whose derived port (20000 + id % 20000) is free on this machine."""
+    for _ in range(100):
+        port = random.randrange(20000, 40000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return 100000 + port - 20000
+    raise RuntimeError("no free port in 20000-39999")
+
+
+# name -> (world size, tmp -> [(command up to the accel-train arguments, extra env) for each node])
+PATHS = {
+    "single_gpu.yaml": (1, lambda tmp: one_machine(*accelerate("--config_file", PROFILES / "single_gpu.yaml"))),
+    "cpu.yaml": (1, lambda tmp: one_machine(*accelerate("--config_file", PROFILES / "cpu.yaml"))),
+    "multi_gpu.yaml --num_processes 2": (2, lambda tmp: one_machine(*accelerate(
+        "--config_file", PROFILES / "multi_gpu.yaml", "--num_processes", 2, "--main_process_port", free_port()))),
+    "multi_node.yaml, 2 machines": (2, lambda tmp: [
+        (accelerate("--config_file", PROFILES / "multi_node.yaml", "--num_processes", 2, "--num_machines", 2,
+                    "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port), {})
+        for port in [free_port()] for rank in (0, 1)]),
+    "accelerate config default": (1, lambda tmp: one_machine(*accelerate("--config_file", config_default(tmp)))),
+    "wizard multi-GPU file": (2, lambda tmp: one_machine(*accelerate(
+        "--config_file", wizard_file(tmp), "--main_process_port", free_port()))),
+    "torchrun --nproc_per_node 2": (2, lambda tmp: one_machine(*torchrun(
+        "--nproc_per_node", 2, "--master_port", free_port()))),
+    "torchrun --nnodes 2": (2, lambda tmp: [
+        (torchrun("--nnodes", 2, "--node_rank", rank, "--nproc_per_node", 1, "--rdzv_backend", "static",
+                  "--master_addr", "127.0.0.1", "--master_port", port), {})
+        for port in [free_port()] for rank in (0, 1)]),
+    "SLURM sbatch, 2 nodes": (2, lambda tmp: slurm_nodes(tmp)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One plain process (`accel-train train`, no launcher): the losses and model every path must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    run_cli("train", *RUN, f"output_dir={out}")
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_launch_path_trains_like_one_process_and_evaluates_a_checkpoint_identically(path, reference, tmp_path):
+    world_size, nodes = PATHS[path]
+    check_path(path, world_size, nodes, reference, tmp_path)
+
+
+def test_two_hosts_in_network_namespaces_train_like_one_process_over_the_interface_doctor_names(
+        two_hosts, reference, tmp_path):
+    # Separate namespaces: each "node" has only its veth address, and gloo must be told to use it.
+    def nodes(tmp):
+        port = free_port()
+        return [(host.run(accelerate("--config_file", PROFILES / "multi_node.yaml", "--num_processes", 2,
+                                     "--num_machines", 2, "--machine_rank", rank, "--main_process_ip",
+                                     two_hosts[0].address, "--main_process_port", port)),
+                 {"GLOO_SOCKET_IFNAME": host.interface}) for rank, host in enumerate(two_hosts)]
+
+    # The eval through this launcher is the 127.0.0.1 multi_node path's; here the network is the point.
+    check_path("multi_node.yaml, 2 network namespaces", 2, nodes, reference, tmp_path, evaluate=False)
+
+
+def check_path(path, world_size, nodes, reference, tmp_path, evaluate=True):
+    out = tmp_path / "run"
+    run_nodes([(command + ["train", *RUN, f"output_dir={out}"], env) for command, env in nodes(tmp_path)])
+    assert yaml.safe_load((out / "config.yaml").read_text())["run"]["world_size"] == world_size
+    losses = [line["loss"] for line in read_metrics(out, "train")]
+    expected = [line["loss"] for line in read_metrics(reference, "train")]
+    assert len(losses) == STEPS and losses == pytest.approx(expected, rel=1e-5)
+    trained, reference_eval = read_metrics(out, "eval")[-1], read_metrics(reference, "eval")[-1]
+    assert trained["correct"] == reference_eval["correct"]
+    assert trained["loss"] == pytest.approx(reference_eval["loss"], rel=1e-5)
+    if not evaluate:
+        print(f"\n{path}: world size {world_size}, step {STEPS}: train loss {losses[-1]:.6f}; eval of its own "
+              f"weights: accuracy {trained['accuracy']:.4f} loss {trained['loss']:.6f}")
+        return
+
+    first_node = run_nodes([(command + ["eval", *RUN, f"checkpoint={reference}"], env)
+                            for command, env in nodes(tmp_path)])[0]
+    evaluated = last_json_line(first_node.stdout)
+    assert (evaluated["num_samples"], evaluated["correct"]) == (101, reference_eval["correct"])
+    assert evaluated["loss"] == pytest.approx(reference_eval["loss"], rel=1e-6)
+    print(f"\n{path}: world size {world_size}, step {STEPS}: train loss {losses[-1]:.6f}; eval of the shared "
+          f"checkpoint: accuracy {evaluated['accuracy']:.4f} loss {evaluated['loss']:.6f}")
+
+
+def test_slurm_script_derives_rank_main_node_and_port_from_slurm_variables(tmp_path):
+    nodes = slurm_nodes(tmp_path, nodes=2, dry_run=True, SLURM_JOB_ID="1234567", SLURM_GPUS_ON_NODE="a100:4")
+    printed = [result.stdout.split() for result in run_nodes([(command + ["train", "mnist_cnn"], env)
+                                                              for command, env in nodes])]
+
+    def option(words, name):
+        return words[words.index(name) + 1]
+
+    for rank, words in enumerate(printed):
+        assert words[:2] == ["accelerate", "launch"] and words[-3:] == ["accel_train", "train", "mnist_cnn"]
+        assert option(words, "--machine_rank") == str(rank)
+        assert option(words, "--main_process_ip") == "127.0.0.1"  # first host of SLURM_JOB_NODELIST
+        assert option(words, "--main_process_port") == str(20000 + 1234567 % 20000)
+        assert (option(words, "--num_machines"), option(words, "--num_processes")) == ("2", "8")
+        assert option(words, "--config_file") == "accelerate_configs/multi_node.yaml"
+
+
+def test_slurm_script_outside_an_allocation_says_what_is_missing(tmp_path):
+    (command, env), _ = slurm_nodes(tmp_path)
+    del env["SLURM_NODEID"]
+    (result,) = run_nodes([(command + ["train", "mnist_cnn"], env)], check=False)
+    assert result.returncode != 0 and "SLURM_NODEID unset" in result.stderr
