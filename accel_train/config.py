@@ -34,6 +34,8 @@ class DataConfig:
     augment: bool = doc("random crop + horizontal flip on training images", default=False)
     image_size: Optional[int] = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
     num_workers: int = doc("DataLoader worker processes per process (file-backed datasets)", default=4)
+    on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "
+                          "batches there (false = per-sample torchvision transforms in DataLoader workers)", default=True)
 
 
 @dataclass
@@ -59,6 +61,8 @@ class TrainConfig:
     warmup_steps: int = doc("linear warmup over this many optimizer steps", default=0)
     log_every_steps: int = doc("write a train line to metrics.jsonl every N optimizer steps", default=50)
     progress_bar: bool = doc("show a tqdm progress bar on the main process", default=True)
+    compile: bool = doc("torch.compile the model (exported weights are unaffected)", default=False)
+    channels_last: bool = doc("channels_last memory format for conv nets (faster convolutions on GPU)", default=False)
 
 
 @dataclass

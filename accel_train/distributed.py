@@ -34,15 +34,16 @@ def is_reporting_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def make_accelerator(seed: int) -> Accelerator:
+def make_accelerator(seed: int, compile: bool = False) -> Accelerator:
     """An Accelerator that forms a real process group on whatever hardware is present.
 
     Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
     scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
-    data order a function of (seed, epoch) alone.
+    data order a function of (seed, epoch) alone. With `compile`, prepare() wraps the model in
+    torch.compile after DDP (so DDP's buckets split the graph) and save_model still exports plain weights.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
+    from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
 
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
@@ -57,6 +58,7 @@ def make_accelerator(seed: int) -> Accelerator:
         cpu=use_cpu,
         mixed_precision=mixed_precision,
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if compile else None,
     )
     expected = launcher_world_size()
     if expected is not None and expected != accelerator.num_processes:
@@ -92,6 +94,17 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     import torch
 
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def tune_for_device(model: torch.nn.Module, accelerator: Accelerator, channels_last: bool) -> torch.nn.Module:
+    """Device-level speed switches, applied where the model is built (before prepare)."""
+    import torch
+
+    if accelerator.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # input shapes are fixed per run, so the autotuning pays once
+    if channels_last and any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+        model = model.to(memory_format=torch.channels_last)
+    return model
 
 
 def any_process(flag: bool, accelerator: Accelerator) -> bool:

@@ -23,7 +23,8 @@ from accelerate.utils import set_seed
 
 from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader
-from accel_train.distributed import make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world
+from accel_train.distributed import (make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world,
+                                     tune_for_device)
 from accel_train.errors import UserError
 from accel_train.hooks import RunState, TrainMeter, default_hooks
 from accel_train.optim import build_optimizer, build_scheduler, total_steps
@@ -33,18 +34,18 @@ from accel_train.tasks import TASKS
 def train(config: Config) -> dict:
     task = TASKS.get(config.task)()
     task.check_config(config)
-    accelerator = make_accelerator(config.seed)
+    accelerator = make_accelerator(config.seed, compile=config.train.compile)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True)
         eval_data = build_dataset(config.data, train=False)
     model = maybe_sync_batchnorm(task.build_model(config, train_data), config.model.sync_batchnorm, accelerator)
+    model = tune_for_device(model, accelerator, config.train.channels_last)
     optimizer = build_optimizer(config.train, model)
-    pin = accelerator.device.type == "cuda"
-    train_loader = make_loader(train_data, config.train.batch_size, True, config.data.num_workers, pin)
-    eval_loader = make_loader(eval_data, round_up_to_world(config.train.eval_batch_size, accelerator), False,
-                              config.data.num_workers, pin)
+    train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device)
+    eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
+                              False, accelerator.device)
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(train_loader))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
@@ -112,7 +113,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
         detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
         raise UserError(f"checkpoint={checkpoint} does not fit model.name={config.model.name} "
                         f"on {config.data.name}: {detail}") from None
-    eval_loader = make_loader(eval_data, round_up_to_world(config.train.eval_batch_size, accelerator), False,
-                              config.data.num_workers, accelerator.device.type == "cuda")
+    eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
+                              False, accelerator.device)
     model, eval_loader = accelerator.prepare(model, eval_loader)
     return evaluate(accelerator, model, task, eval_loader)
