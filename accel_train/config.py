@@ -40,7 +40,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = doc("mnist_cnn, or any torchvision classification model name (resnet18, vgg16, ...)", default="mnist_cnn")
+    name: str = doc("mnist_cnn, bn_cnn, or any torchvision classification model name (resnet18, vgg16, ...)", default="mnist_cnn")
     dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
     sync_batchnorm: bool = doc("synchronise BatchNorm statistics across GPUs", default=False)
 

@@ -114,6 +114,29 @@ def any_process(flag: bool, accelerator: Accelerator) -> bool:
     return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum").item() > 0)
 
 
+def child_env(threads: int | None = None) -> dict:
+    """Environment for a run started by accel-train itself (the bench): plain process, fixed thread count."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def launch_command(num_processes: int, mixed_precision: str, profile: str | None, args: list[str]) -> list[str]:
+    """`accelerate launch` of `accel-train ARGS` on N processes of this machine (the shipped multi_gpu profile
+    when the checkout has it, else the equivalent flag)."""
+    import socket
+
+    with socket.socket() as sock:  # a free port, so bench runs never collide with a training job's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    where = ["--config_file", profile] if profile else ["--multi_gpu"]
+    return [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
+            str(num_processes), "--main_process_port", str(port), "--mixed_precision", mixed_precision,
+            "-m", "accel_train", *args]
+
+
 def run_info(accelerator: Accelerator) -> dict:
     """How this run was launched, written beside its results."""
     import accelerate
