@@ -113,14 +113,13 @@ def overhead(recipe: str, overrides: list[str], out: Path, rounds: int, log) -> 
 
 def plain_loop(config: Config) -> float:
     """The reference: a hand-written PyTorch loop over the same uint8 tensor held on the device."""
-    accelerator = make_accelerator(config.seed, compile=config.train.compile)
+    accelerator = make_accelerator(config.seed)
     device = accelerator.device
     set_seed(config.seed)
     data = build_dataset(config.data, train=True)
     task = TASKS.get(config.task)()
-    model = tune_for_device(task.build_model(config, data), accelerator, config.train.channels_last).to(device)
-    if config.train.compile:
-        model = torch.compile(model)
+    model = tune_for_device(task.build_model(config, data), accelerator, config.train.channels_last,
+                            config.train.compile).to(device)
     optimizer = build_optimizer(config.train, model)
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(data.dataset) // config.train.batch_size)
     images, labels = data.dataset.images.to(device), data.dataset.labels.to(device)

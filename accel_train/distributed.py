@@ -34,16 +34,15 @@ def is_reporting_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def make_accelerator(seed: int, compile: bool = False) -> Accelerator:
+def make_accelerator(seed: int) -> Accelerator:
     """An Accelerator that forms a real process group on whatever hardware is present.
 
     Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
     scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
-    data order a function of (seed, epoch) alone. With `compile`, prepare() wraps the model in
-    torch.compile after DDP (so DDP's buckets split the graph) and save_model still exports plain weights.
+    data order a function of (seed, epoch) alone.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
+    from accelerate.utils import DataLoaderConfiguration
 
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
@@ -58,7 +57,6 @@ def make_accelerator(seed: int, compile: bool = False) -> Accelerator:
         cpu=use_cpu,
         mixed_precision=mixed_precision,
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if compile else None,
     )
     expected = launcher_world_size()
     if expected is not None and expected != accelerator.num_processes:
@@ -96,7 +94,8 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def tune_for_device(model: torch.nn.Module, accelerator: Accelerator, channels_last: bool) -> torch.nn.Module:
+def tune_for_device(model: torch.nn.Module, accelerator: Accelerator, channels_last: bool,
+                    compile: bool = False) -> torch.nn.Module:
     """Device-level speed switches, applied where the model is built (before prepare)."""
     import torch
 
@@ -104,6 +103,10 @@ def tune_for_device(model: torch.nn.Module, accelerator: Accelerator, channels_l
         torch.backends.cudnn.benchmark = True  # input shapes are fixed per run, so the autotuning pays once
     if channels_last and any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
         model = model.to(memory_format=torch.channels_last)
+    if compile:
+        # In place rather than torch.compile(model): no `_orig_mod.` wrapper, so the state_dict keys, the
+        # exported model.safetensors and checkpoints are exactly those of the uncompiled model.
+        model.compile()
     return model
 
 

@@ -34,14 +34,14 @@ from accel_train.tasks import TASKS
 def train(config: Config) -> dict:
     task = TASKS.get(config.task)()
     task.check_config(config)
-    accelerator = make_accelerator(config.seed, compile=config.train.compile)
+    accelerator = make_accelerator(config.seed)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True)
         eval_data = build_dataset(config.data, train=False)
     model = maybe_sync_batchnorm(task.build_model(config, train_data), config.model.sync_batchnorm, accelerator)
-    model = tune_for_device(model, accelerator, config.train.channels_last)
+    model = tune_for_device(model, accelerator, config.train.channels_last, config.train.compile)
     optimizer = build_optimizer(config.train, model)
     train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device)
     eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
