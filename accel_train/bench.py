@@ -48,6 +48,11 @@ def run_bench(recipe: str, overrides: list[str], quick: bool, processes: int | N
     rounds = 1 if quick else 2
     device_kind = "cuda" if torch.cuda.is_available() else "cpu"
     processes = processes or (torch.cuda.device_count() if device_kind == "cuda" else 2)
+    threads = max(1, (os.cpu_count() or 1) // processes) if device_kind == "cpu" else None
+    if threads:
+        # Every CPU measurement, in this process or launched, gets cores / N threads: rows stay comparable,
+        # and no thread pool spins waiting for a core another process holds.
+        torch.set_num_threads(threads)
     timing = [f"train.max_steps={steps * (1 + WINDOWS)}", f"train.log_every_steps={steps}", "train.epochs=1000"]
     log = _Log()
 
@@ -60,7 +65,8 @@ def run_bench(recipe: str, overrides: list[str], quick: bool, processes: int | N
     }
     result["overhead"] = overhead(recipe, overrides + timing + ["data.augment=false"], out, rounds, log)
     result["input_pipeline"] = input_pipeline(config, steps * 2, log)
-    result["scaling"] = scaling(recipe, overrides + timing, out, processes, device_kind, train_size, log)
+    result["threads_per_process"] = threads
+    result["scaling"] = scaling(recipe, overrides + timing, out, processes, threads, device_kind, train_size, log)
     result["flops"] = flops(config, result["overhead"]["ours_samples_per_s"], peak_tflops, quick, log)
     result["cli_help_s"] = cli_help_seconds()
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -189,19 +195,18 @@ def _sync(device: torch.device) -> None:
 
 # 3. scaling ----------------------------------------------------------------------------------------------------
 
-def scaling(recipe: str, overrides: list[str], out: Path, processes: int, device_kind: str, train_size: int,
-            log) -> list[dict]:
+def scaling(recipe: str, overrides: list[str], out: Path, processes: int, threads: int | None, device_kind: str,
+            train_size: int, log) -> list[dict]:
     """1 process, N processes, N processes + mixed precision, each a real `accel-train train` run
     (the mixed-precision one always through `accelerate launch`, as users start it).
 
     The per-process batch stays train.batch_size (the global batch grows with N), the classic
-    weak-scaling table; on CPU each process gets cores / N threads so every row uses the same cores.
+    weak-scaling table.
     """
     if device_kind == "cuda":
         mixed = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     else:
         mixed = "bf16"
-    threads = max(1, (os.cpu_count() or 1) // processes) if device_kind == "cpu" else None
     per_process = load_config(recipe, overrides).train.batch_size
     rows = [("1 process", 1, "no")]
     if processes > 1:
@@ -215,6 +220,10 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, device
             command = [sys.executable, "-m", "accel_train", *args]
         else:
             command = launch_command(n, precision, str(PROFILE) if PROFILE.is_file() else None, args)
+        if precision == "bf16" and device_kind == "cpu" and not cpu_has_bf16():
+            table.append({"name": name, "processes": n, "mixed_precision": precision, "threads_per_process": threads,
+                          "status": "unavailable: no bf16 instructions on this CPU (emulated bf16 is slower than fp32)"})
+            continue
         log(f"scaling: {name}")
         result = subprocess.run(command, env=child_env(threads), capture_output=True, text=True)
         row = {"name": name, "processes": n, "mixed_precision": precision, "threads_per_process": threads}
@@ -227,6 +236,14 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, device
         table.append({**row, "status": "ok", "samples_per_s": rate, "speedup": rate / single,
                       "efficiency": rate / (n * single), "epoch_s": train_size / rate})
     return table
+
+
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN has native bf16 kernels here (AVX512-BF16 / AMX); without them autocast only emulates."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 # 4. FLOP/s -----------------------------------------------------------------------------------------------------
@@ -310,7 +327,8 @@ def to_markdown(r: dict) -> str:
         f"# accel-train bench: {r['recipe']}{' (--quick)' if r['quick'] else ''}",
         "",
         f"Machine: {hardware}; torch {m['torch']}, accelerate {m['accelerate']}, {m['date_utc']}.",
-        f"Windows of {r['steps_per_window']} optimizer steps, first window discarded; batch {r['batch_size']} per process.",
+        f"Windows of {r['steps_per_window']} optimizer steps, first window discarded; batch {r['batch_size']} per process"
+        + (f"; {r['threads_per_process']} CPU thread(s) per process in every row." if r["threads_per_process"] else "."),
         "",
         "| measure | value | target | met |",
         "|---|---|---|---|",
