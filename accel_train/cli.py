@@ -14,6 +14,7 @@ accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate exported weigh
 accel-train recipes                                      list shipped recipes
 accel-train keys                                         list every config key with its meaning
 accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
+accel-train bench [--quick] [RECIPE] [KEY=VALUE ...]     our loop vs plain PyTorch, input pipeline, scaling, FLOP/s
 
 Multi-process: accelerate launch --config_file accelerate_configs/multi_gpu.yaml -m accel_train train RECIPE
            or: torchrun --nproc_per_node N -m accel_train train RECIPE
@@ -28,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=text)
         command.add_argument("recipe", help="shipped recipe name (see `accel-train recipes`) or path to a YAML file")
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.lr=0.01")
+    bench = commands.add_parser("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
+    bench.add_argument("--quick", action="store_true", help="short windows, one round (CPU / CI friendly)")
+    bench.add_argument("--processes", type=int, help="processes for the scaling table (default: GPUs, or 2 on CPU)")
+    bench.add_argument("--peak-tflops", type=float, help="device peak for the utilisation (default: measured matmul)")
+    bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
+    bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
+    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides for every run")
     commands.add_parser("recipes", help="list shipped recipes")
     commands.add_parser("keys", help="list config keys")
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
@@ -75,6 +83,18 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{key:24s} {type_name:12s} default {default!s:10s} {text}")
         return
     overrides = list(args.overrides)
+    if args.command == "bench":
+        recipe = args.recipe
+        if "=" in recipe:  # only overrides given: they are not a recipe name
+            recipe, overrides = "fashion_mnist_fast", [recipe, *overrides]
+        if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
+            raise UserError("bench: --steps and --processes must be 1 or more")
+        load_config(recipe, overrides)  # config mistakes answer before torch loads
+
+        from accel_train.bench import run_bench
+
+        run_bench(recipe, overrides, args.quick, args.processes, args.peak_tflops, args.steps)
+        return
     checkpoint = None
     if args.command == "eval":
         given = [o for o in overrides if o.startswith("checkpoint=")]

@@ -36,12 +36,14 @@ class DataConfig:
                           default=True)
     image_size: Optional[int] = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
     num_workers: int = doc("DataLoader worker processes per process (file-backed datasets)", default=4)
+    on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "
+                          "batches there (false = per-sample torchvision transforms in DataLoader workers)", default=True)
 
 
 @dataclass
 class ModelConfig:
-    name: str = doc("mnist_cnn, or any torchvision classification model name (resnet18, vgg16, ...); conv_vae for task=vae",
-                    default="mnist_cnn")
+    name: str = doc("mnist_cnn, bn_cnn, or any torchvision classification model name (resnet18, vgg16, ...); "
+                    "conv_vae for task=vae", default="mnist_cnn")
     dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
     sync_batchnorm: bool = doc("synchronise BatchNorm statistics across GPUs", default=False)
     latent_size: int = doc("VAE: dimensions of the latent code z", default=16)
@@ -71,6 +73,8 @@ class TrainConfig:
     progress_bar: bool = doc("show a tqdm progress bar on the main process", default=True)
     collective_timeout_s: int = doc("seconds a process waits for the others in a collective before the job fails "
                                     "(bounds the hang when a worker dies)", default=600)
+    compile: bool = doc("torch.compile the model (exported weights are unaffected)", default=False)
+    channels_last: bool = doc("channels_last memory format for conv nets (faster convolutions on GPU)", default=False)
 
 
 @dataclass

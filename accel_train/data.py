@@ -1,11 +1,14 @@
 """Datasets by name, found locally before anything is downloaded, and the DataLoaders over them.
 
-Datasets that fit in memory (the MNIST family, CIFAR-10, STL-10) are kept as one uint8 tensor and
-served a whole batch at a time; ImageFolder data goes through a DataLoader with torchvision transforms.
+Datasets that fit in memory (the MNIST family, CIFAR-10, STL-10) are kept as one uint8 tensor and, with
+data.on_device, moved once to the training device and served a whole batch at a time from there
+(augmentation and resizing batched on the device). With data.on_device=false, and always for ImageFolder,
+a DataLoader runs per-sample torchvision transforms in worker processes.
 """
 
 from __future__ import annotations
 
+import copy
 import gzip
 import shutil
 from dataclasses import dataclass
@@ -16,6 +19,8 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch.utils.data import DataLoader, Dataset, Subset
+from PIL import Image
+from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
@@ -41,13 +46,24 @@ DATASETS: Registry[ImageData] = Registry("dataset", "data.name")
 
 
 class InMemoryImages(Dataset):
-    """uint8 images in one tensor; `__getitems__` slices, augments and normalises a whole batch at once."""
+    """uint8 images in one tensor; `__getitems__` slices, augments and normalises a whole batch where the tensor lives.
+
+    A DataLoader over it only produces index lists, so Accelerate shards, pads (even batches) and
+    de-duplicates (gather_for_metrics) exactly as for any dataset, while the pixels stay on the device.
+    """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean, std, augment=False, size=None) -> None:
         self.images, self.labels = images.contiguous(), labels.long()
         self.mean = torch.tensor(mean).view(1, -1, 1, 1)
         self.std = torch.tensor(std).view(1, -1, 1, 1)
         self.augment, self.size = augment, size
+
+    def to(self, device: torch.device) -> "InMemoryImages":
+        """A view of the same data held on `device` (one copy, made once)."""
+        moved = copy.copy(self)
+        for name in ("images", "labels", "mean", "std"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -57,13 +73,46 @@ class InMemoryImages(Dataset):
         return images[0], labels[0]
 
     def __getitems__(self, indices: list[int]):
-        index = torch.as_tensor(indices)
-        images = self.images[index].float().div_(255)
-        if self.augment:
-            images = random_crop_flip(images, padding=max(1, images.shape[-1] // 8))
+        index = torch.as_tensor(indices, device=self.images.device)
+        images = self.images[index]
+        if self.augment:  # on uint8: a quarter of the memory traffic of augmenting floats, same result
+            images = random_crop_flip(images, padding=pad_for(images.shape[-1]))
+        # The same operations, in the same order, as ToTensor + Normalize: bit-identical inputs either way.
+        images = images.float().div_(255)
         if self.size and images.shape[-1] != self.size:
             images = F.interpolate(images, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
-        return (images - self.mean) / self.std, self.labels[index]
+        return images.sub_(self.mean).div_(self.std), self.labels[index]
+
+
+def pad_for(side: int) -> int:
+    """Random-crop padding: 3 px for 28 px images, 4 px for 32 px (the usual CIFAR setting), side/8 in general."""
+    return max(1, side // 8)
+
+
+class PerSampleImages(Dataset):
+    """The usual torchvision way over the same uint8 tensor: a PIL image per sample, then per-sample transforms.
+
+    Serves data.on_device=false (and is the bench's input-pipeline baseline); runs in DataLoader workers.
+    """
+
+    def __init__(self, source: InMemoryImages) -> None:
+        self.images, self.labels = source.images.cpu(), source.labels.cpu()
+        side = self.images.shape[-1]
+        steps = [T.ToTensor()]
+        if source.augment:
+            steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
+        if source.size and source.size != side:
+            steps.append(T.Resize((source.size, source.size), antialias=True))
+        steps.append(T.Normalize(source.mean.flatten().tolist(), source.std.flatten().tolist()))
+        self.transform = T.Compose(steps)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        pixels = self.images[index].permute(1, 2, 0).numpy()
+        image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+        return self.transform(image), self.labels[index]
 
 
 def keep_batch(batch):
@@ -72,17 +121,19 @@ def keep_batch(batch):
 
 
 def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
-    """Per-image random crop (zero padding) and horizontal flip, for a whole batch without a Python loop."""
-    n, _, h, w = images.shape
-    padded = F.pad(images, (padding,) * 4)
-    top = torch.randint(0, 2 * padding + 1, (n, 1, 1))
-    left = torch.randint(0, 2 * padding + 1, (n, 1, 1))
-    rows = (top + torch.arange(h).view(1, h, 1)).expand(n, h, w)
-    cols = (left + torch.arange(w).view(1, 1, w)).expand(n, h, w)
-    flip = torch.rand(n, 1, 1) < 0.5
-    cols = torch.where(flip, left + (w - 1 - torch.arange(w).view(1, 1, w)), cols)
-    batch = torch.arange(n).view(n, 1, 1)
-    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+    """Per-image random crop (zero padding) and horizontal flip for a whole batch: one gather, no Python loop."""
+    n, c, h, w = images.shape
+    device = images.device
+    padded_width = w + 2 * padding
+    padded = F.pad(images, (padding,) * 4).view(n, c, -1)
+    top = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=device)
+    left = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=device)
+    flip = torch.rand(n, 1, 1, device=device) < 0.5
+    columns = torch.arange(w, device=device).view(1, 1, w)
+    columns = left + torch.where(flip, w - 1 - columns, columns)
+    rows = top + torch.arange(h, device=device).view(1, h, 1)
+    index = (rows * padded_width + columns).view(n, 1, h * w).expand(n, c, h * w)
+    return padded.gather(2, index).view(n, c, h, w)
 
 
 @dataclass(frozen=True)
@@ -238,7 +289,7 @@ def build_dataset(cfg: DataConfig, train: bool) -> ImageData:
     return DATASETS.get(cfg.name)(cfg, train)
 
 
-def make_loader(data: ImageData, global_batch: int, train: bool, num_workers: int, pin_memory: bool) -> DataLoader:
+def make_loader(data: ImageData, cfg: DataConfig, global_batch: int, train: bool, device: torch.device) -> DataLoader:
     """A loader over GLOBAL batches; Accelerate's prepare (split_batches) hands each process its slice."""
     if train and len(data.dataset) < global_batch:
         raise UserError(f"the training set has {len(data.dataset)} samples, fewer than train.batch_size={global_batch}; "
@@ -247,8 +298,12 @@ def make_loader(data: ImageData, global_batch: int, train: bool, num_workers: in
     # stream dropout uses, and a resumed run (whose iterator starts mid-epoch) would see other dropout masks.
     # The order of samples is the seedable sampler's, a function of (seed, epoch) alone.
     generator = torch.Generator().manual_seed(0)
+    dataset = data.dataset
     if data.in_memory:
-        return DataLoader(data.dataset, batch_size=global_batch, shuffle=train, drop_last=train, collate_fn=keep_batch,
-                          generator=generator)
-    return DataLoader(data.dataset, batch_size=global_batch, shuffle=train, drop_last=train, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)
+        if cfg.on_device:  # no workers: a batch is a few kernels on the device, not per-image Python
+            return DataLoader(dataset.to(device), batch_size=global_batch, shuffle=train, drop_last=train,
+                              collate_fn=keep_batch, generator=generator)
+        dataset = PerSampleImages(dataset)
+    workers = cfg.num_workers
+    return DataLoader(dataset, batch_size=global_batch, shuffle=train, drop_last=train, num_workers=workers,
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0, generator=generator)

@@ -98,6 +98,22 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
+def tune_for_device(model: torch.nn.Module, accelerator: Accelerator, channels_last: bool,
+                    compile: bool = False) -> torch.nn.Module:
+    """Device-level speed switches, applied where the model is built (before prepare)."""
+    import torch
+
+    if accelerator.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # input shapes are fixed per run, so the autotuning pays once
+    if channels_last and any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+        model = model.to(memory_format=torch.channels_last)
+    if compile:
+        # In place rather than torch.compile(model): no `_orig_mod.` wrapper, so the state_dict keys, the
+        # exported model.safetensors and checkpoints are exactly those of the uncompiled model.
+        model.compile()
+    return model
+
+
 def any_process(flag: bool | torch.Tensor, accelerator: Accelerator) -> bool:
     """True on every process if `flag` is true on any: lets all processes stop (or skip) together.
 
@@ -166,6 +182,29 @@ def stop_requested(signals: StopSignals, accelerator: Accelerator) -> bool:
             if dist.get_backend() != "gloo" else dist.group.WORLD
     dist.all_reduce(flag, group=signals._group)
     return flag.item() > 0
+
+
+def child_env(threads: int | None = None) -> dict:
+    """Environment for a run started by accel-train itself (the bench): plain process, fixed thread count."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def launch_command(num_processes: int, mixed_precision: str, profile: str | None, args: list[str]) -> list[str]:
+    """`accelerate launch` of `accel-train ARGS` on N processes of this machine (the shipped multi_gpu profile
+    when the checkout has it, else the equivalent flag)."""
+    import socket
+
+    with socket.socket() as sock:  # a free port, so bench runs never collide with a training job's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    where = ["--config_file", profile] if profile else ["--multi_gpu"]
+    return [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
+            str(num_processes), "--main_process_port", str(port), "--mixed_precision", mixed_precision,
+            "-m", "accel_train", *args]
 
 
 def run_info(accelerator: Accelerator) -> dict:

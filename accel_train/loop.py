@@ -31,7 +31,8 @@ from accelerate.utils import set_seed
 from accel_train.checkpoint import check_resume, resume
 from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader
-from accel_train.distributed import make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world
+from accel_train.distributed import (make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world,
+                                     tune_for_device)
 from accel_train.errors import UserError
 from accel_train.guard import NonFiniteGuard, clip_gradients
 from accel_train.hooks import RunState, TrainMeter, default_hooks
@@ -50,11 +51,11 @@ def train(config: Config) -> dict:
         train_data = build_dataset(config.data, train=True)
         eval_data = build_dataset(config.data, train=False)
     model = maybe_sync_batchnorm(task.build_model(config, train_data), config.model.sync_batchnorm, accelerator)
+    model = tune_for_device(model, accelerator, config.train.channels_last, config.train.compile)
     optimizer = build_optimizer(config.train, model)
-    pin = accelerator.device.type == "cuda"
-    train_loader = make_loader(train_data, config.train.batch_size, True, config.data.num_workers, pin)
-    eval_loader = make_loader(eval_data, round_up_to_world(config.train.eval_batch_size, accelerator), False,
-                              config.data.num_workers, pin)
+    train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device)
+    eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
+                              False, accelerator.device)
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(train_loader))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
@@ -129,7 +130,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
         detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
         raise UserError(f"checkpoint={checkpoint} does not fit model.name={config.model.name} "
                         f"on {config.data.name}: {detail}") from None
-    eval_loader = make_loader(eval_data, round_up_to_world(config.train.eval_batch_size, accelerator), False,
-                              config.data.num_workers, accelerator.device.type == "cuda")
+    eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
+                              False, accelerator.device)
     model, eval_loader = accelerator.prepare(model, eval_loader)
     return evaluate(accelerator, model, task, eval_loader)
