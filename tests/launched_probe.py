@@ -23,9 +23,9 @@ record = {"batches": [], "augment": []}
 _make_loader, _getitems, _crop_flip = loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip
 
 
-def make_loader(dataset, global_batch, train, *args):
+def make_loader(dataset, cfg, global_batch, train, *args):
     dataset.dataset.probe_train = train
-    return _make_loader(dataset, global_batch, train, *args)
+    return _make_loader(dataset, cfg, global_batch, train, *args)
 
 
 def getitems(self, indices):
