@@ -240,32 +240,25 @@ def connect(address: str, ip: str, port: int, timeout: float, report: Report) ->
         return f"{ip}:{port} unreachable"
 
 
-def check_process_group(device: str, timeout: float, report: Report) -> None:
-    """Under a launcher: join the group the training run would form and sum one number across it."""
-    from datetime import timedelta
-
+def check_process_group(timeout: float, report: Report) -> None:
+    """Under a launcher: form the group exactly as training does and sum one number across it."""
     import torch
-    import torch.distributed as dist
+
+    from accel_train.distributed import launcher_world_size, make_accelerator
 
     started = time.perf_counter()
-    backend = {"cuda": "nccl", "xpu": "xccl"}.get(device, "gloo")
     try:
-        target = torch.device("cpu") if device == "cpu" else torch.device(device, int(os.environ.get("LOCAL_RANK", 0)))
-        if device != "cpu":
-            getattr(torch, device).set_device(target)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-        ones = torch.ones(1, device=target)
-        dist.all_reduce(ones)
-        joined = int(ones.item())
-        dist.destroy_process_group()
+        accelerator = make_accelerator(seed=0, collective_timeout_s=timeout)
+        joined = int(accelerator.reduce(torch.ones(1, device=accelerator.device), reduction="sum").item())
     except Exception as err:  # any failure to form the group is the finding itself
         report.problem(f"the process group did not form ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
                        "see the interface and main process lines above")
         return
-    expected = int(os.environ["WORLD_SIZE"])
+    expected = launcher_world_size()
     if joined != expected:
         report.problem(f"{joined} processes joined but the launcher asked for {expected}")
     else:
+        backend = accelerator.state.backend or "none"
         report.info("process group", f"{joined} processes joined over {backend} in {time.perf_counter() - started:.1f} s")
 
 
@@ -288,7 +281,7 @@ def run(args) -> int:
     if launch.num_machines > 1:
         check_multi_node(launch, device, args.timeout, report)
     if launch.under_launcher:
-        check_process_group(device, args.timeout, report)
+        check_process_group(args.timeout, report)
     if local_rank == 0 or report.problems:  # one report per node; any process with a problem speaks
         prefix = f"[rank {rank}] " if launch.under_launcher else ""
         out = [f"{prefix}{topic:18s} {text}" for topic, text in report.lines]
