@@ -57,6 +57,12 @@ class InMemoryImages(Dataset):
         self.mean = torch.tensor(mean).view(1, -1, 1, 1)
         self.std = torch.tensor(std).view(1, -1, 1, 1)
         self.augment, self.size = augment, size
+        self.seed = self.epoch = 0  # augmentation of a sample is a function of (seed, epoch, its index)
+
+    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
+        """Called by start_epoch, and by Accelerate (epoch only) for loaders whose sampler has no set_epoch."""
+        self.epoch = epoch
+        self.seed = self.seed if seed is None else seed
 
     def to(self, device: torch.device) -> "InMemoryImages":
         """A view of the same data held on `device` (one copy, made once)."""
@@ -76,7 +82,7 @@ class InMemoryImages(Dataset):
         index = torch.as_tensor(indices, device=self.images.device)
         images = self.images[index]
         if self.augment:  # on uint8: a quarter of the memory traffic of augmenting floats, same result
-            images = random_crop_flip(images, padding=pad_for(images.shape[-1]))
+            images = random_crop_flip(images, pad_for(images.shape[-1]), sample_keys(index, self.epoch, self.seed))
         # The same operations, in the same order, as ToTensor + Normalize: bit-identical inputs either way.
         images = images.float().div_(255)
         if self.size and images.shape[-1] != self.size:
@@ -120,15 +126,37 @@ def keep_batch(batch):
     return batch
 
 
-def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
-    """Per-image random crop (zero padding) and horizontal flip for a whole batch: one gather, no Python loop."""
+_LOW_33_BITS = (1 << 33) - 1
+
+
+def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
+    """A random 62-bit number per (seed, epoch, sample index), computed where the indices live.
+
+    Drawing augmentation from the global RNG would tie it to which process loads a sample and to when
+    (Accelerate prefetches one batch ahead), so a resumed run or another world size would crop differently.
+    A counter-based hash (the splitmix64 finaliser, with masked shifts since torch's >> is arithmetic) makes
+    the crops and flips of an epoch identical however the run is split or interrupted.
+    """
+    offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64
+    keys = indices.long() * 0x2545F4914F6CDD1D + (offset - 2**64 if offset >= 2**63 else offset)
+    for multiplier in (0x3F58476D1CE4E5B9, 0x14057B7EF767814F):
+        keys = (keys ^ ((keys >> 31) & _LOW_33_BITS)) * multiplier
+    return (keys ^ ((keys >> 31) & _LOW_33_BITS)) & ((1 << 62) - 1)
+
+
+def random_crop_flip(images: torch.Tensor, padding: int, keys: torch.Tensor) -> torch.Tensor:
+    """Per-image random crop (zero padding) and horizontal flip for a whole batch: one gather, no Python loop.
+
+    `keys` (one random integer per image, see sample_keys) decide each image's offsets and flip.
+    """
     n, c, h, w = images.shape
     device = images.device
     padded_width = w + 2 * padding
     padded = F.pad(images, (padding,) * 4).view(n, c, -1)
-    top = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=device)
-    left = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=device)
-    flip = torch.rand(n, 1, 1, device=device) < 0.5
+    keys = keys.view(n, 1, 1)
+    top = keys % (2 * padding + 1)
+    left = (keys >> 20) % (2 * padding + 1)
+    flip = ((keys >> 40) & 1).bool()
     columns = torch.arange(w, device=device).view(1, 1, w)
     columns = left + torch.where(flip, w - 1 - columns, columns)
     rows = top + torch.arange(h, device=device).view(1, h, 1)
@@ -287,6 +315,13 @@ def _imagefolder_split(root: Path, train: bool) -> Path:
 
 def build_dataset(cfg: DataConfig, train: bool) -> ImageData:
     return DATASETS.get(cfg.name)(cfg, train)
+
+
+def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
+    """Data order (Accelerate's seedable sampler) and augmentation both become functions of (seed, epoch)."""
+    loader.set_epoch(epoch)  # Accelerate passes it to the sampler only, not to the dataset
+    if isinstance(loader.dataset, InMemoryImages):
+        loader.dataset.set_epoch(epoch, seed)
 
 
 def make_loader(data: ImageData, cfg: DataConfig, global_batch: int, train: bool, device: torch.device) -> DataLoader:

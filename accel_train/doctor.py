@@ -250,6 +250,7 @@ def check_process_group(timeout: float, report: Report) -> None:
     try:
         accelerator = make_accelerator(seed=0, collective_timeout_s=timeout)
         joined = int(accelerator.reduce(torch.ones(1, device=accelerator.device), reduction="sum").item())
+        accelerator.end_training()
     except Exception as err:  # any failure to form the group is the finding itself
         report.problem(f"the process group did not form ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
                        "see the interface and main process lines above")

@@ -30,7 +30,7 @@ from accelerate.utils import set_seed
 
 from accel_train.checkpoint import check_resume, resume
 from accel_train.config import Config
-from accel_train.data import build_dataset, make_loader
+from accel_train.data import build_dataset, make_loader, start_epoch
 from accel_train.distributed import (make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world,
                                      tune_for_device)
 from accel_train.errors import UserError
@@ -59,7 +59,7 @@ def train(config: Config) -> dict:
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(train_loader))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
-    set_seed(config.seed, device_specific=True)  # augmentation and dropout differ between processes
+    set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
 
     run = RunState(config, accelerator, len(train_loader), total_steps(config.train, len(train_loader)))
     start = resume(config, accelerator, model, run)  # resume=auto / PATH: weights, optimizer, scheduler, RNG, step
@@ -69,7 +69,7 @@ def train(config: Config) -> dict:
     hooks.fire("on_train_start", run)
     for run.epoch in range(start.epoch, config.train.epochs):
         model.train()
-        train_loader.set_epoch(run.epoch)
+        start_epoch(train_loader, run.epoch, config.seed)
         # The seedable sampler's order depends on (seed, epoch) only; skipping what the checkpoint already
         # trained makes a resumed epoch see exactly the batches an uninterrupted run would.
         resumed_epoch = run.epoch == start.epoch and start.skip
@@ -96,6 +96,7 @@ def train(config: Config) -> dict:
             break
     accelerator.save_model(model, config.output_dir)
     hooks.fire("on_train_end", run)
+    accelerator.end_training()  # destroys the process group: a clean exit on every process
     return run.last_eval
 
 
@@ -133,4 +134,6 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
     eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
                               False, accelerator.device)
     model, eval_loader = accelerator.prepare(model, eval_loader)
-    return evaluate(accelerator, model, task, eval_loader)
+    metrics = evaluate(accelerator, model, task, eval_loader)
+    accelerator.end_training()
+    return metrics

@@ -6,7 +6,7 @@ and loop, and writes PROBE_DIR/rank{R}.json with, for this process:
 - `augment`: a fingerprint of the crop/flip parameters drawn for each augmented batch;
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses.
-The recorders never change what the run computes: the fingerprint is drawn on a forked RNG.
+The recorders never change what the run computes: the fingerprint reuses the batch's own keys.
 """
 
 import json
@@ -34,11 +34,11 @@ def getitems(self, indices):
     return _getitems(self, indices)
 
 
-def random_crop_flip(images, padding):
-    with torch.random.fork_rng(devices=[]):
-        ramp = torch.arange(64.0).view(1, 1, 8, 8).expand(8, 1, 8, 8)
-        record["augment"].append(_crop_flip(ramp, padding=2).flatten().tolist()[::7])
-    return _crop_flip(images, padding)
+def random_crop_flip(images, padding, keys):
+    count = min(8, len(keys))
+    ramp = torch.arange(64.0).view(1, 1, 8, 8).expand(count, 1, 8, 8)
+    record["augment"].append(_crop_flip(ramp, 2, keys[:count]).flatten().tolist()[::7])
+    return _crop_flip(images, padding, keys)
 
 
 def lr_traces(seed: int) -> dict:
@@ -66,14 +66,14 @@ def lr_traces(seed: int) -> dict:
 
 
 if __name__ == "__main__":
+    seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
+    record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
     loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip = make_loader, getitems, random_crop_flip
     try:
         cli.main(sys.argv[1:])
     except SystemExit as exit:
         if exit.code:
             raise
-    seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
-    record["lr"], rank = lr_traces(seed)
     out = os.environ["PROBE_DIR"]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:

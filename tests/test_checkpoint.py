@@ -2,8 +2,8 @@
 
 One uninterrupted run is the reference. A run stopped in any way (max_steps at an epoch boundary or
 mid-epoch, SIGTERM, a killed worker, a damaged newest checkpoint) and continued with resume=auto must
-reproduce its train losses line by line and its final weights bit for bit. Dropout stays on, so the
-restored RNG state has to give the same masks.
+reproduce its train losses line by line and its final weights bit for bit. Dropout and random
+crop/flip stay on, so the restored RNG state has to give the same masks and the resumed epoch the same crops.
 """
 
 import re
@@ -24,7 +24,7 @@ from accel_train.checkpoint import list_checkpoints, to_keep
 from conftest import PYTHON, REPO, launch, read_metrics, run_cli, start, start_launch
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
-RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.train_subset=240", "data.eval_subset=50",
+RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.augment=true", "data.train_subset=240", "data.eval_subset=50",
        "train.batch_size=24", "train.epochs=3", "train.log_every_steps=1",
        "checkpoint.every_steps=4", "checkpoint.keep_last=2", "checkpoint.best_metric=accuracy"]
 

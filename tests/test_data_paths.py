@@ -5,7 +5,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 
 from accel_train.config import DataConfig
-from accel_train.data import ImageData, InMemoryImages, make_loader, random_crop_flip
+from accel_train.data import ImageData, InMemoryImages, make_loader, random_crop_flip, sample_keys
 from conftest import launch, read_metrics, run_cli
 
 CPU = torch.device("cpu")
@@ -24,7 +24,7 @@ def _loaders(data, batch, train):
 
 def test_random_crop_flip_gives_each_image_a_padded_crop_possibly_mirrored():
     images = torch.randint(1, 256, (64, 3, 6, 6), dtype=torch.uint8)
-    out = random_crop_flip(images, padding=2)
+    out = random_crop_flip(images, 2, sample_keys(torch.arange(64), epoch=0, seed=0))
     padded = torch.nn.functional.pad(images, (2,) * 4)
     flipped = 0
     for source, result in zip(padded, out):
@@ -34,6 +34,19 @@ def test_random_crop_flip_gives_each_image_a_padded_crop_possibly_mirrored():
         assert plain or mirrored
         flipped += mirrored and not plain
     assert 10 < flipped < 54  # about half
+
+
+def test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only():
+    # Not on which batch, process or moment loads it: resumed runs and other world sizes crop identically.
+    dataset = _images(augment=True).dataset
+    dataset.set_epoch(3, seed=5)
+    first, _ = dataset.__getitems__([4, 9, 20])
+    again, _ = dataset.__getitems__([20, 4])
+    assert torch.equal(first[0], again[1]) and torch.equal(first[2], again[0])
+    dataset.set_epoch(4, seed=5)
+    assert not torch.equal(dataset.__getitems__([4, 9, 20])[0], first)
+    dataset.set_epoch(3, seed=6)
+    assert not torch.equal(dataset.__getitems__([4, 9, 20])[0], first)
 
 
 def test_device_batches_are_bit_identical_to_per_sample_totensor_normalize():
