@@ -264,6 +264,16 @@ def _check_ranges(config: Config) -> None:
                 raise UserError(f"{key}: must be 0 or more, got {value}")
 
 
+def _type_name(hint: Any) -> str:
+    """int, float, str, bool; `int|null` for optional keys; `a|b|c` for a fixed set of choices."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return "|".join(args)
+    if typing.get_origin(hint) is typing.Union:
+        return "|".join(_type_name(a) if a is not type(None) else "null" for a in args)
+    return hint.__name__
+
+
 def describe_keys() -> list[tuple[str, str, str, Any]]:
     """(key, type, help, default) for every config key, for the README and `accel-train keys`."""
     rows = []
@@ -275,7 +285,7 @@ def describe_keys() -> list[tuple[str, str, str, Any]]:
                 walk(hints[f.name], prefix + f.name + ".")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else None
-            type_name = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+            type_name = _type_name(hints[f.name])
             rows.append((prefix + f.name, type_name, f.metadata.get("help", ""), default))
 
     walk(Config, "")
