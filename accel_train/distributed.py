@@ -31,6 +31,11 @@ def launcher_world_size() -> int | None:
     return int(value) if value else None
 
 
+def launcher_ranks() -> tuple[int, int]:
+    """(global rank, rank on this node) the launcher gave this process; (0, 0) for a plain process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+
+
 def is_reporting_process() -> bool:
     """True on the one process that should print user errors raised before the Accelerator exists."""
     return os.environ.get("RANK", "0") == "0"

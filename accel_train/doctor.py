@@ -266,8 +266,9 @@ def check_process_group(timeout: float, report: Report) -> None:
 def run(args) -> int:
     report = Report()
     launch = resolve_launch(args, report)
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    from accel_train.distributed import launcher_ranks
+
+    rank, local_rank = launcher_ranks()
     where = f"machine {launch.machine_rank} of {launch.num_machines}" if launch.num_machines > 1 else "single machine"
     report.info("node", f"{socket.gethostname()} ({where}{', under a launcher' if launch.under_launcher else ''})")
     if launch.under_launcher:  # the file the launcher read is not visible here; its settings are
