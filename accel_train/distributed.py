@@ -38,7 +38,7 @@ def launcher_ranks() -> tuple[int, int]:
 
 def is_reporting_process() -> bool:
     """True on the one process that should print user errors raised before the Accelerator exists."""
-    return os.environ.get("RANK", "0") == "0"
+    return launcher_ranks()[0] == 0
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600) -> Accelerator:
@@ -166,7 +166,7 @@ class StopSignals:
     def _record(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            print(f"accel-train: {self.received} received by process {os.environ.get('RANK', '0')}: saving a "
+            print(f"accel-train: {self.received} received by process {launcher_ranks()[0]}: saving a "
                   "checkpoint at the next step boundary, then exiting", file=sys.stderr, flush=True)
 
 
