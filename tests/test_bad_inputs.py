@@ -37,12 +37,13 @@ def test_training_into_a_folder_that_holds_a_run_is_refused_and_leaves_it_untouc
     assert "is not one of its checkpoints" in error
 
 
-def test_resume_auto_is_the_one_command_for_the_first_start_and_every_restart(tmp_path):
+def test_resume_auto_is_the_one_command_for_the_first_start_and_every_restart(tmp_path, capsys):
     out = tmp_path / "run"
-    first = run_cli("train", "mnist_cnn", f"output_dir={out}", *TINY, "resume=auto")
-    assert "no checkpoint" in first.stdout and [line["step"] for line in read_metrics(out, "train")] == [1, 2]
-    again = run_cli("train", "mnist_cnn", f"output_dir={out}", *TINY, "resume=auto")
-    assert "nothing left to train" in again.stdout
+    train_in_process("mnist_cnn", f"output_dir={out}", *TINY, "resume=auto")
+    assert "no checkpoint" in capsys.readouterr().out
+    assert [line["step"] for line in read_metrics(out, "train")] == [1, 2]
+    train_in_process("mnist_cnn", f"output_dir={out}", *TINY, "resume=auto")
+    assert "nothing left to train" in capsys.readouterr().out
     assert [line["step"] for line in read_metrics(out, "train")] == [1, 2]
 
 
