@@ -1,12 +1,15 @@
 # make demo  - set up everything on a fresh machine and train Fashion-MNIST for one epoch
-# make test  - set up everything (with dev extras and data) and run the test suite
+# make test  - set up everything (with dev extras and data), lint (ruff) and run the test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Test files run in parallel, one file per worker (its module fixtures are built once): as many workers as
+# cores, at most 4, since one test may start several training processes.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install data demo test clean
+.PHONY: install data demo lint test clean
 
 install: $(VENV)/.installed
 
@@ -25,12 +28,15 @@ data:
 	else echo "no apt-get: torchvision will download Fashion-MNIST on first use"; fi
 
 demo: install data
-	@start=$$(date +%s); \
+	@rm -rf runs/demo; start=$$(date +%s); \
 	$(BIN)/accel-train train fashion_mnist_cnn train.epochs=1 output_dir=runs/demo && \
 	echo "demo wall time: $$(( $$(date +%s) - start )) s (setup excluded); results in runs/demo"
 
-test: install data
-	$(BIN)/python -m pytest -q
+lint: install
+	$(BIN)/ruff check .
+
+test: install data lint
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -1,4 +1,6 @@
-"""`accel-train bench`: accel-train next to plain PyTorch, its input pipeline, scaling and FLOP/s (a benchmark, not a test).
+"""`accel-train bench`: accel-train next to plain PyTorch, its input pipeline, scaling and FLOP/s.
+
+A benchmark, not a test:
 
     accel-train bench --quick                       # CPU-friendly, about a minute
     accel-train bench fashion_mnist_fast            # longer windows, best of two rounds
@@ -25,8 +27,9 @@ from accelerate.utils import set_seed
 
 from accel_train.config import Config, load_config
 from accel_train.data import build_dataset, make_loader
-from accel_train.distributed import child_env, launch_command, make_accelerator, tune_for_device
+from accel_train.distributed import make_accelerator, plain_process_env
 from accel_train.errors import UserError
+from accel_train.models import tune_for_device
 from accel_train.optim import build_optimizer, build_scheduler
 from accel_train.tasks import TASKS
 
@@ -130,7 +133,7 @@ def plain_loop(config: Config) -> float:
     set_seed(config.seed)
     data = build_dataset(config.data, train=True)
     task = TASKS.get(config.task)()
-    model = tune_for_device(task.build_model(config, data), accelerator, config.train.channels_last,
+    model = tune_for_device(task.build_model(config, data), device, config.train.channels_last,
                             config.train.compile).to(device)
     optimizer = build_optimizer(config.train, model)
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(data.dataset) // config.train.batch_size)
@@ -228,10 +231,11 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, thread
             command = launch_command(n, precision, str(PROFILE) if PROFILE.is_file() else None, args)
         if precision == "bf16" and device_kind == "cpu" and not cpu_has_bf16():
             table.append({"name": name, "processes": n, "mixed_precision": precision, "threads_per_process": threads,
-                          "status": "unavailable: no bf16 instructions on this CPU (emulated bf16 is slower than fp32)"})
+                          "status": "unavailable: no bf16 instructions on this CPU (emulated bf16 is slower than "
+                                    "fp32)"})
             continue
         log(f"scaling: {name}")
-        result = subprocess.run(command, env=child_env(threads), capture_output=True, text=True)
+        result = subprocess.run(command, env=plain_process_env(threads), capture_output=True, text=True)
         row = {"name": name, "processes": n, "mixed_precision": precision, "threads_per_process": threads}
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -242,6 +246,20 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, thread
         table.append({**row, "status": "ok", "samples_per_s": rate, "speedup": rate / single,
                       "efficiency": rate / (n * single), "epoch_s": train_size / rate})
     return table
+
+
+def launch_command(num_processes: int, mixed_precision: str, profile: str | None, args: list[str]) -> list[str]:
+    """`accelerate launch` of `accel-train ARGS` on N processes of this machine (the shipped multi_gpu profile
+    when the checkout has it, else the equivalent flag)."""
+    import socket
+
+    with socket.socket() as sock:  # a free port, so bench runs never collide with a training job's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    where = ["--config_file", profile] if profile else ["--multi_gpu"]
+    return [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
+            str(num_processes), "--main_process_port", str(port), "--mixed_precision", mixed_precision,
+            "-m", "accel_train", *args]
 
 
 def cpu_has_bf16() -> bool:
@@ -311,10 +329,12 @@ def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
         cpu = names[0] if names else cpu
     info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "python": platform.python_version(), "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "python": platform.python_version(),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
@@ -327,19 +347,23 @@ def _fmt(value: float) -> str:
 
 def to_markdown(r: dict) -> str:
     m, o, i, f = r["machine"], r["overhead"], r["input_pipeline"], r["flops"]
-    hardware = f"{m.get('gpu_count', 0)} x {m['gpu']}" if "gpu" in m else f"{m['cpu']}, {m['cpu_cores']} cores (CPU only)"
+    hardware = f"{m.get('gpu_count', 0)} x {m['gpu']}" if "gpu" in m else \
+        f"{m['cpu']}, {m['cpu_cores']} cores (CPU only)"
     met = lambda ok: "yes" if ok else "no"  # noqa: E731
     lines = [
         f"# accel-train bench: {r['recipe']}{' (--quick)' if r['quick'] else ''}",
         "",
         f"Machine: {hardware}; torch {m['torch']}, accelerate {m['accelerate']}, {m['date_utc']}.",
-        f"Best of {r['windows']} windows of {r['steps_per_window']} optimizer steps after a warm-up window; batch {r['batch_size']} per process"
-        + (f"; {r['threads_per_process']} CPU thread(s) per process in every row." if r["threads_per_process"] else "."),
+        f"Best of {r['windows']} windows of {r['steps_per_window']} optimizer steps after a warm-up window; "
+        f"batch {r['batch_size']} per process"
+        + (f"; {r['threads_per_process']} CPU thread(s) per process in every row." if r["threads_per_process"]
+           else "."),
         "",
         "| measure | value | target | met |",
         "|---|---|---|---|",
         f"| overhead: our loop / plain PyTorch loop (1 process, fp32, no augmentation) | {o['ratio']:.3f} "
-        f"({_fmt(o['ours_samples_per_s'])} / {_fmt(o['plain_samples_per_s'])} samples/s) | >= {TARGETS['overhead_ratio']} "
+        f"({_fmt(o['ours_samples_per_s'])} / {_fmt(o['plain_samples_per_s'])} samples/s) "
+        f"| >= {TARGETS['overhead_ratio']} "
         f"| {met(o['ratio'] >= TARGETS['overhead_ratio'])} |",
         f"| input pipeline: on-device batches / per-sample DataLoader ({i['dataloader_workers']} workers), "
         f"augment={str(i['augment']).lower()} | {i['ratio']:.1f}x ({_fmt(i['ours_samples_per_s'])} / "

@@ -1,13 +1,15 @@
 """Checkpoints in output_dir/checkpoints/: atomic, self-describing, pruned; and exact resume from them.
 
 A checkpoint is the folder `accelerator.save_state` writes on every process (model.safetensors, the
-optimizer, the LR scheduler, each process's RNG state) plus checkpoint.json: step, epoch, position in
-the epoch, eval metrics, the resolved config and the size of every file. It is written as
-`.partial-step-N` and renamed when complete, so a crash at any moment leaves the previous checkpoints
-or the complete new one. Checkpoints are found and ordered by their checkpoint.json, never by name.
+optimizer, the LR scheduler, each process's RNG state) plus each process's loop state (the train meter's
+partial sums) and checkpoint.json: step, epoch, position in the epoch, eval metrics, the resolved config
+and the size of every file. It is written as `.partial-step-N` and renamed when complete, so a crash at
+any moment leaves the previous checkpoints or the complete new one. Checkpoints are found and ordered by
+their checkpoint.json, never by name.
 
-Loading goes through `accelerator.load_state` with `weights_only=True` (safetensors for the model):
-nothing in a checkpoint can run code when it is read.
+The loop decides when to save (`due`, `due_after_eval`) and calls `save`; `resume` returns where training
+continues as a ResumePoint. Loading goes through `accelerator.load_state` with `weights_only=True`
+(safetensors for the model): nothing in a checkpoint can run code when it is read.
 """
 
 from __future__ import annotations
@@ -15,34 +17,41 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.distributed import StopSignals, any_process, stop_requested
-from accel_train.errors import Preempted, UserError
-from accel_train.hooks import METRICS_FILE, Hook, RunState
+from accel_train.distributed import any_process
+from accel_train.errors import UserError, warn, writing
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-    from accel_train.config import Config
+    from accel_train.config import CheckpointConfig, Config
+    from accel_train.observers import Progress
 
 META_FILE = "checkpoint.json"
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
+LOOP_STATE_FILE = "loop_state_{process}.json"  # one per process: its train meter sums
 # Config keys that decide what the saved tensors mean; a checkpoint that differs in one is another run's.
 IDENTITY_KEYS = ("task", "model.name", "data.name")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResumePoint:
+    """What a checkpoint restored, and where training continues."""
+
+    step: int = 0  # optimizer steps already taken
     epoch: int = 0  # the epoch to continue
     skip: int = 0  # batches of that epoch already trained
+    evaluated: bool = False  # the checkpoint was saved after the evaluation at `step`
+    last_eval: dict = field(default_factory=dict)
+    in_output_dir: bool = False  # saved by this output_dir's run: its metrics.jsonl continues
+    loop_state: dict | None = None  # this process's train meter at the save
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -80,34 +89,58 @@ def to_keep(checkpoints: list[tuple[Path, dict]], keep_last: int, best_metric: s
     return keep
 
 
-class CheckpointManager:
-    """Saves (collectively, on every process) and prunes checkpoints of one run."""
+def resume_position(meta: dict) -> tuple[int, int]:
+    """(epoch to continue, batches of it already trained) for a checkpoint's metadata.
+
+    A checkpoint saved after an epoch's last step but before its evaluation (a signal at that step) continues
+    that epoch with every batch skipped, so the evaluation still runs.
+    """
+    epoch, done = meta["epoch"], meta["batches_done_in_epoch"]
+    if done >= meta["steps_per_epoch"] and meta["evaluated"]:
+        return epoch + 1, 0
+    return epoch, done
+
+
+class Checkpoints:
+    """When to save (the loop asks), saving (collectively, on every process), pruning, and resuming."""
 
     def __init__(self, config: Config, accelerator: Accelerator) -> None:
         self.config, self.accelerator = config, accelerator
+        self.cfg: CheckpointConfig = config.checkpoint
         self.directory = checkpoints_dir(config.output_dir)
         self._warned_metric = False
 
-    def save(self, run: RunState, evaluated: bool) -> Path:
-        accelerator, name = self.accelerator, f"step-{run.step:08d}"
+    def due(self, step: int) -> bool:
+        """A save every checkpoint.every_steps optimizer steps."""
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
+
+    def due_after_eval(self, step: int, last: bool) -> bool:
+        """After an evaluation: at each epoch end (checkpoint.at_epoch_end), when every_steps falls there, and at
+        the end of the run when saving is on at all."""
+        return self.cfg.at_epoch_end or self.due(step) or (last and bool(self.cfg.every_steps))
+
+    def save(self, progress: Progress, evaluated: bool, loop_state: dict) -> Path:
+        accelerator, name = self.accelerator, f"step-{progress.step:08d}"
         partial = self.directory / f"{PARTIAL_PREFIX}{name}"
-        if accelerator.is_main_process:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(f"{PARTIAL_PREFIX}*"):  # left by a save that a crash cut short
-                shutil.rmtree(stale, ignore_errors=True)
-        accelerator.wait_for_everyone()
-        started = time.perf_counter()
-        accelerator.save_state(str(partial))
-        # Every process has written its RNG state before the folder can become visible as complete.
-        accelerator.wait_for_everyone()
-        final = self.directory / name
-        if accelerator.is_main_process:
-            final = self._publish(run, evaluated, partial, name, time.perf_counter() - started)
-            self._prune()
+        with writing(partial, f"saving the checkpoint of step {progress.step}"):
+            if accelerator.is_main_process:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                for stale in self.directory.glob(f"{PARTIAL_PREFIX}*"):  # left by a save that a crash cut short
+                    shutil.rmtree(stale, ignore_errors=True)
+            accelerator.wait_for_everyone()
+            started = time.perf_counter()
+            accelerator.save_state(str(partial))
+            _write_synced(partial / LOOP_STATE_FILE.format(process=accelerator.process_index), json.dumps(loop_state))
+            # Every process has written its own files before the folder can become visible as complete.
+            accelerator.wait_for_everyone()
+            final = self.directory / name
+            if accelerator.is_main_process:
+                final = self._publish(progress, evaluated, partial, name, time.perf_counter() - started)
+                self._prune()
         accelerator.wait_for_everyone()
         return final
 
-    def _publish(self, run: RunState, evaluated: bool, partial: Path, name: str, seconds: float) -> Path:
+    def _publish(self, progress: Progress, evaluated: bool, partial: Path, name: str, seconds: float) -> Path:
         fsync_started = time.perf_counter()
         existing = list_checkpoints(self.directory)
         files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*"))
@@ -115,18 +148,16 @@ class CheckpointManager:
         for relative in files:  # durable before the rename publishes them
             _fsync(partial / relative)
         seconds += time.perf_counter() - fsync_started
-        metrics_path = run.output_dir / METRICS_FILE
         meta = {
             "format": FORMAT,
             "serial": existing[-1][1]["serial"] + 1 if existing else 1,
-            "step": run.step,
-            "epoch": run.epoch,
-            "batches_done_in_epoch": run.step - run.epoch * run.steps_per_epoch,
-            "steps_per_epoch": run.steps_per_epoch,
+            "step": progress.step,
+            "epoch": progress.epoch,
+            "batches_done_in_epoch": progress.step - progress.epoch * progress.steps_per_epoch,
+            "steps_per_epoch": progress.steps_per_epoch,
             "evaluated": evaluated,
-            "metrics": dict(run.last_eval) if evaluated else {},
-            "metrics_lines": len(metrics_path.read_text().splitlines()) if metrics_path.is_file() else 0,
-            "world_size": run.accelerator.num_processes,
+            "metrics": dict(progress.last_eval) if evaluated else {},
+            "world_size": self.accelerator.num_processes,
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "save_seconds": round(seconds, 3),
             "files": files,
@@ -140,106 +171,79 @@ class CheckpointManager:
         os.replace(partial, final)
         _fsync(self.directory)
         size_mb = sum(files.values()) / 2**20
-        print(f"checkpoint step {run.step} saved in {final} ({size_mb:.1f} MiB, {seconds:.2f} s)", flush=True)
+        print(f"checkpoint step {progress.step} saved in {final} ({size_mb:.1f} MiB, {seconds:.2f} s)", flush=True)
         return final
 
     def _prune(self) -> None:
-        cfg = self.config.checkpoint
+        cfg = self.cfg
         checkpoints = list_checkpoints(self.directory)
         if cfg.best_metric and not self._warned_metric:
             reported = {name for _, meta in checkpoints for name in meta["metrics"]}
             if reported and cfg.best_metric not in reported:
                 self._warned_metric = True
-                _warn(self.accelerator, f"checkpoint.best_metric={cfg.best_metric} is not an eval metric "
-                                        f"(eval reports {', '.join(sorted(reported))}); keeping only the newest")
+                warn(self.accelerator, f"checkpoint.best_metric={cfg.best_metric} is not an eval metric "
+                                       f"(eval reports {', '.join(sorted(reported))}); keeping only the newest")
         keep = to_keep(checkpoints, cfg.keep_last, cfg.best_metric, cfg.best_mode)
         for folder, _ in checkpoints:
             if folder not in keep:
                 shutil.rmtree(folder, ignore_errors=True)
 
-
-class Checkpointer(Hook):
-    """Saves at the configured points, and on SIGTERM / SIGINT saves at the next step boundary and stops."""
-
-    def __init__(self, config: Config, accelerator: Accelerator) -> None:
-        self.cfg = config.checkpoint
-        self.enabled = bool(self.cfg.every_steps) or self.cfg.at_epoch_end
-        self.signals = StopSignals(config.train.collective_timeout_s)
-        self.manager = CheckpointManager(config, accelerator)
-
-    def _due(self, run: RunState) -> bool:
-        return bool(self.cfg.every_steps) and run.step % self.cfg.every_steps == 0
-
-    def on_step_end(self, run: RunState) -> None:
-        if stop_requested(self.signals, run.accelerator):
-            self._stop(run, self.manager.save(run, evaluated=False))
-        # The loop evaluates right after these steps; saving then also records the metrics.
-        eval_follows = run.step % run.steps_per_epoch == 0 or run.step >= run.total_steps or run.should_stop
-        if self._due(run) and not eval_follows:
-            self.manager.save(run, evaluated=False)
-
-    def on_eval(self, run: RunState, metrics: dict) -> None:
-        stopping = stop_requested(self.signals, run.accelerator)
-        ending = run.step >= run.total_steps or run.should_stop
-        if stopping or (self.enabled and (self.cfg.at_epoch_end or ending or self._due(run))):
-            saved = self.manager.save(run, evaluated=True)
-            if stopping:
-                self._stop(run, saved)
-
-    def _stop(self, run: RunState, saved: Path) -> None:
-        raise Preempted(f"stopped by {self.signals.received or 'a signal to another process'} at step {run.step}; "
-                        f"checkpoint saved in {saved}; run the same command with resume=auto to continue")
+    def resume(self, model: torch.nn.Module, steps_per_epoch: int, total_steps: int) -> ResumePoint:
+        """Load the checkpoint `resume` names (all processes) and say where training continues."""
+        config, accelerator, directory = self.config, self.accelerator, self.directory
+        if not config.resume:
+            return ResumePoint()
+        if config.resume == "auto":
+            candidates = list_checkpoints(directory)
+            for partial in sorted(directory.glob(f"{PARTIAL_PREFIX}*")) if directory.is_dir() else []:
+                warn(accelerator, f"ignoring {partial}: a save that did not complete")
+            if not candidates:
+                accelerator.print(f"resume=auto: no checkpoint in {directory}; starting from step 0")
+                return ResumePoint()
+        else:
+            check_resume(config)
+            candidates = [(Path(config.resume), read_meta(Path(config.resume)))]
+        for folder, meta in reversed(candidates):
+            _refuse_other_runs(folder, meta, config, accelerator, model, steps_per_epoch)
+            trouble = _damage(folder, meta) or _load(accelerator, folder)
+            if not any_process(trouble is not None, accelerator):
+                break
+            warn(accelerator, f"checkpoint {folder} is unusable ({trouble or 'another process could not load it'}); "
+                              "trying the previous one")
+        else:
+            where = directory if config.resume == "auto" else config.resume
+            raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from "
+                            "step 0")
+        _note_schedule_changes(folder, meta, config, accelerator)
+        epoch, done = resume_position(meta)
+        accelerator.print(f"resuming from {folder}: step {meta['step']}, epoch {epoch}, {done} batches of it done")
+        if meta["step"] >= total_steps:
+            accelerator.print(f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to "
+                              "train")
+            epoch, done = config.train.epochs, 0
+        return ResumePoint(step=meta["step"], epoch=epoch, skip=done, evaluated=meta["evaluated"],
+                           last_eval=dict(meta["metrics"]),
+                           in_output_dir=folder.parent.resolve() == directory.resolve(),
+                           loop_state=_read_loop_state(folder, accelerator.process_index))
 
 
 def check_resume(config: Config) -> None:
-    """Reject a `resume=PATH` that is not a checkpoint before any data is loaded."""
-    if config.resume not in (None, "auto") and read_meta(Path(config.resume)) is None:
+    """Before any data is loaded: `resume=PATH` is a checkpoint, and the checkpoint to resume is this run's."""
+    if config.resume is None:
+        return
+    if config.resume == "auto":
+        found = list_checkpoints(checkpoints_dir(config.output_dir))
+        if found:
+            _refuse_other_identity(*found[-1], config)
+        return
+    meta = read_meta(Path(config.resume))
+    if meta is None:
         raise UserError(f"resume={config.resume}: not a checkpoint (no readable {META_FILE}); pass a folder "
                         f"under OUTPUT_DIR/checkpoints/, or resume=auto")
+    _refuse_other_identity(Path(config.resume), meta, config)
 
 
-def resume(config: Config, accelerator: Accelerator, model: torch.nn.Module, run: RunState) -> ResumePoint:
-    """Load the checkpoint `config.resume` names (all processes) and say where training continues."""
-    if not config.resume:
-        return ResumePoint()
-    directory = checkpoints_dir(config.output_dir)
-    if config.resume == "auto":
-        candidates = list_checkpoints(directory)
-        for partial in sorted(directory.glob(f"{PARTIAL_PREFIX}*")) if directory.is_dir() else []:
-            _warn(accelerator, f"ignoring {partial}: a save that did not complete")
-        if not candidates:
-            accelerator.print(f"resume=auto: no checkpoint in {directory}; starting from step 0")
-            return ResumePoint()
-    else:
-        check_resume(config)
-        candidates = [(Path(config.resume), read_meta(Path(config.resume)))]
-    for folder, meta in reversed(candidates):
-        _refuse_other_runs(folder, meta, config, accelerator, model, run)
-        trouble = _damage(folder, meta) or _load(accelerator, folder)
-        if not any_process(trouble is not None, accelerator):
-            break
-        _warn(accelerator, f"checkpoint {folder} is unusable ({trouble or 'another process could not load it'}); "
-                           "trying the previous one")
-    else:
-        where = directory if config.resume == "auto" else config.resume
-        raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from step 0")
-    _note_schedule_changes(folder, meta, config, accelerator)
-    run.step = meta["step"]
-    run.last_eval = dict(meta["metrics"])
-    if folder.parent.resolve() == directory.resolve():
-        run.resumed_metrics_lines = meta["metrics_lines"]
-    epoch, done = meta["epoch"], meta["batches_done_in_epoch"]
-    if done >= meta["steps_per_epoch"] and meta["evaluated"]:
-        epoch, done = epoch + 1, 0
-    accelerator.print(f"resuming from {folder}: step {run.step}, epoch {epoch}, {done} batches of it done")
-    if run.step >= run.total_steps:
-        accelerator.print(f"the checkpoint already has {run.step} of {run.total_steps} steps: nothing left to train")
-        return ResumePoint(epoch=config.train.epochs)
-    return ResumePoint(epoch=epoch, skip=done)
-
-
-def _refuse_other_runs(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
-                       model: torch.nn.Module, run: RunState) -> None:
+def _refuse_other_identity(folder: Path, meta: dict, config: Config) -> None:
     def value(tree: dict, key: str):
         for part in key.split("."):
             tree = tree.get(part, {}) if isinstance(tree, dict) else {}
@@ -251,6 +255,16 @@ def _refuse_other_runs(folder: Path, meta: dict, config: Config, accelerator: Ac
         raise UserError(f"resume: {folder} is from another run ({', '.join(f'{k}={value(saved, k)}' for k in differ)}; "
                         f"this run has {', '.join(f'{k}={value(ours, k)}' for k in differ)}); use another output_dir "
                         "or resume=null")
+
+
+def _read_loop_state(folder: Path, process: int) -> dict | None:
+    path = folder / LOOP_STATE_FILE.format(process=process)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _refuse_other_runs(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
+                       model: torch.nn.Module, steps_per_epoch: int) -> None:
+    _refuse_other_identity(folder, meta, config)
     mismatch = _shape_mismatch(folder / "model.safetensors", accelerator.unwrap_model(model))
     if mismatch:
         raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "
@@ -258,9 +272,9 @@ def _refuse_other_runs(folder: Path, meta: dict, config: Config, accelerator: Ac
     if meta["world_size"] != accelerator.num_processes:
         raise UserError(f"resume: {folder} was saved by {meta['world_size']} process(es), this run has "
                         f"{accelerator.num_processes}; resume with --num_processes {meta['world_size']}")
-    if meta["steps_per_epoch"] != run.steps_per_epoch:
+    if meta["steps_per_epoch"] != steps_per_epoch:
         raise UserError(f"resume: {folder} has {meta['steps_per_epoch']} steps per epoch, this run "
-                        f"{run.steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
+                        f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
 
 
 def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator: Accelerator) -> None:
@@ -271,7 +285,7 @@ def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator
         keys += ["epochs", "max_steps"]
     changed = [f"train.{key} {saved.get(key)} -> {ours[key]}" for key in keys if saved.get(key) != ours[key]]
     if changed:
-        _warn(accelerator, f"resuming {folder}: the LR schedule continues as saved there, ignoring "
+        warn(accelerator, f"resuming {folder}: the LR schedule continues as saved there, ignoring "
                            f"{', '.join(changed)}")
 
 
@@ -312,11 +326,6 @@ def _load(accelerator: Accelerator, folder: Path) -> str | None:
     except Exception as err:  # a damaged file surfaces as any of safetensors', torch's or pickle's errors
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     return None
-
-
-def _warn(accelerator: Accelerator, text: str) -> None:
-    if accelerator.is_main_process:
-        print(f"accel-train: warning: {text}", file=sys.stderr, flush=True)
 
 
 def _write_synced(path: Path, text: str) -> None:

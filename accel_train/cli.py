@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("train", "train a recipe"), ("eval", "evaluate a run's exported model")):
         command = commands.add_parser(name, help=text)
         command.add_argument("recipe", help="shipped recipe name (see `accel-train recipes`) or path to a YAML file")
-        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.lr=0.01")
+        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                             help="dotted config overrides, e.g. train.lr=0.01")
     bench = commands.add_parser("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
     bench.add_argument("--quick", action="store_true", help="short windows, one round (CPU / CI friendly)")
     bench.add_argument("--processes", type=int, help="processes for the scaling table (default: GPUs, or 2 on CPU)")
@@ -61,10 +62,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
-    from accel_train.distributed import is_reporting_process
+    from accel_train.distributed import is_reporting_process, launcher_ranks, launcher_world_size
 
-    if is_reporting_process():
-        print(f"{prefix}{err}", file=sys.stderr, flush=True)
+    if getattr(err, "on_every_process", True):  # the same line on every process: the main one says it
+        if is_reporting_process():
+            print(f"{prefix}{err}", file=sys.stderr, flush=True)
+        return
+    several = (launcher_world_size() or 1) > 1
+    print(f"{prefix}{f'process {launcher_ranks()[0]}: ' if several else ''}{err}", file=sys.stderr, flush=True)
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -103,6 +108,12 @@ def _run(args: argparse.Namespace) -> None:
         checkpoint = given[-1].partition("=")[2]
         overrides = [o for o in overrides if not o.startswith("checkpoint=")]
     config = load_config(args.recipe, overrides)
+    if args.command == "train":  # the run folder and resume=PATH answer before torch loads, as config mistakes do
+        from accel_train.checkpoint import check_resume
+        from accel_train.run_folder import check_output_dir
+
+        check_output_dir(config)
+        check_resume(config)
 
     from accel_train import loop  # imports torch: only now that the config is known to be valid
 

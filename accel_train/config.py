@@ -6,10 +6,11 @@ Kept free of torch imports so `accel-train --help` and config errors answer inst
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -25,19 +26,21 @@ def doc(text: str, **kwargs: Any) -> Any:
 
 @dataclass
 class DataConfig:
-    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder", default="fashion_mnist")
+    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder",
+                    default="fashion_mnist")
     root: str = doc("folder holding (or receiving) the dataset files", default="data")
-    train_subset: Optional[int] = doc("train on the first N samples only (same N at any world size)", default=None)
-    eval_subset: Optional[int] = doc("evaluate on the first N samples only (same N at any world size)", default=None)
+    train_subset: int | None = doc("train on the first N samples only (same N at any world size)", default=None)
+    eval_subset: int | None = doc("evaluate on the first N samples only (same N at any world size)", default=None)
     download: bool = doc("let torchvision download the dataset when no local copy exists", default=True)
     synthetic: bool = doc("replace the dataset by torchvision FakeData of the same shape (smoke tests)", default=False)
     augment: bool = doc("random crop + horizontal flip on training images", default=False)
-    normalize: bool = doc("standardise pixels by the dataset's mean and std (false: raw values in [0, 1], as a VAE needs)",
-                          default=True)
-    image_size: Optional[int] = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
+    normalize: bool = doc("standardise pixels by the dataset's mean and std (false: raw values in [0, 1], as a VAE "
+                          "needs)", default=True)
+    image_size: int | None = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
     num_workers: int = doc("DataLoader worker processes per process (file-backed datasets)", default=4)
     on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "
-                          "batches there (false = per-sample torchvision transforms in DataLoader workers)", default=True)
+                          "batches there (false = per-sample torchvision transforms in DataLoader workers)",
+                          default=True)
 
 
 @dataclass
@@ -54,7 +57,7 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     epochs: int = doc("passes over the training set", default=1)
-    max_steps: Optional[int] = doc("stop after this many optimizer steps (unset = no limit)", default=None)
+    max_steps: int | None = doc("stop after this many optimizer steps (unset = no limit)", default=None)
     batch_size: int = doc("GLOBAL batch size, split across processes: same optimization at any world size", default=64)
     eval_batch_size: int = doc("global batch size for evaluation (does not change results)", default=1000)
     lr: float = doc("peak learning rate", default=1e-3)
@@ -62,7 +65,8 @@ class TrainConfig:
     weight_decay: float = doc("decoupled weight decay (adamw) or L2 penalty (adam, sgd)", default=0.01)
     momentum: float = doc("SGD momentum", default=0.9)
     schedule: Literal["constant", "step", "exponential", "cosine"] = doc("learning-rate schedule", default="constant")
-    lr_gamma: float = doc("LR factor per decay (step: every lr_step_epochs epochs; exponential: per epoch)", default=0.1)
+    lr_gamma: float = doc("LR factor per decay (step: every lr_step_epochs epochs; exponential: per epoch)",
+                          default=0.1)
     lr_step_epochs: int = doc("epochs between step decays", default=1)
     warmup_steps: int = doc("linear warmup over this many optimizer steps", default=0)
     clip_grad_norm: float = doc("clip the global gradient norm to this value before each step (0 = off)", default=0.0)
@@ -79,10 +83,12 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: Optional[int] = doc("save a checkpoint every N optimizer steps (unset = only at epoch ends)", default=None)
-    at_epoch_end: bool = doc("save a checkpoint after each epoch's evaluation (and at the end of the run)", default=True)
+    every_steps: int | None = doc("save a checkpoint every N optimizer steps (unset = only at epoch ends)",
+                                  default=None)
+    at_epoch_end: bool = doc("save a checkpoint after each epoch's evaluation (and at the end of the run)",
+                             default=True)
     keep_last: int = doc("keep the newest N checkpoints, plus the best one when best_metric is set", default=2)
-    best_metric: Optional[str] = doc("eval metric that picks the best checkpoint to keep (e.g. accuracy; unset = none)",
+    best_metric: str | None = doc("eval metric that picks the best checkpoint to keep (e.g. accuracy; unset = none)",
                                      default=None)
     best_mode: Literal["max", "min"] = doc("whether a higher (max) or lower (min) best_metric is better", default="max")
 
@@ -92,12 +98,13 @@ class Config:
     description: str = doc("one line shown by `accel-train recipes`", default="")
     task: str = doc("what the model learns: classification, vae", default="classification")
     seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
-    output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model", default="runs/default")
+    output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model",
+                          default="runs/default")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    resume: Optional[str] = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
+    resume: str | None = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
                                 "or the path of a checkpoint folder", default=None)
 
     def to_dict(self) -> dict:
@@ -137,14 +144,20 @@ def load_config(recipe: str, overrides: list[str] = ()) -> Config:
 
 def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:
     path = Path(recipe)
+    if path.is_dir():
+        raise UserError(f"recipe {recipe} is a folder; pass a YAML file or a shipped recipe name "
+                        f"({', '.join(list_recipes())})")
     if not (path.suffix in (".yaml", ".yml") and path.is_file()):
         path = RECIPES_DIR / f"{recipe}.yaml"
         if not path.is_file():
-            raise UserError(f"unknown recipe '{recipe}': not a YAML file; shipped recipes are {', '.join(list_recipes())}")
+            raise UserError(f"unknown recipe '{recipe}': not a YAML file; shipped recipes are "
+                            f"{', '.join(list_recipes())}")
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise UserError(f"recipe {path} is not valid YAML: {err}".replace("\n", " ")) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"recipe {path} cannot be read as text ({err})") from None
     if not isinstance(tree, dict):
         raise UserError(f"recipe {path} must be a mapping of config keys")
     base = tree.pop("base", None)
@@ -213,10 +226,15 @@ def _unknown_key(key: str, cls: type) -> str:
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
 
+def _is_union(hint: Any) -> bool:
+    """`Optional[int]` and `int | None` alike."""
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
 def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
     """Check `value` against the field's type; text from the command line is parsed first."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union and type(None) in args:
+    if _is_union(hint) and type(None) in args:
         if value is None or (from_text and str(value).lower() in ("null", "none", "")):
             return None
         (hint,) = [a for a in args if a is not type(None)]
@@ -269,7 +287,7 @@ def _type_name(hint: Any) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) is Literal:
         return "|".join(args)
-    if typing.get_origin(hint) is typing.Union:
+    if _is_union(hint):
         return "|".join(_type_name(a) if a is not type(None) else "null" for a in args)
     return hint.__name__
 

@@ -11,20 +11,20 @@ from __future__ import annotations
 import copy
 import gzip
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 import torchvision
-from torch.utils.data import DataLoader, Dataset, Subset
 from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
-from accel_train.errors import DataNotFoundError, UserError
+from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
 from accel_train.registry import Registry
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -64,7 +64,7 @@ class InMemoryImages(Dataset):
         self.epoch = epoch
         self.seed = self.seed if seed is None else seed
 
-    def to(self, device: torch.device) -> "InMemoryImages":
+    def to(self, device: torch.device) -> InMemoryImages:
         """A view of the same data held on `device` (one copy, made once)."""
         moved = copy.copy(self)
         for name in ("images", "labels", "mean", "std"):
@@ -79,14 +79,18 @@ class InMemoryImages(Dataset):
         return images[0], labels[0]
 
     def __getitems__(self, indices: list[int]):
-        index = torch.as_tensor(indices, device=self.images.device)
+        index = torch.as_tensor(indices)
+        if self.images.is_cuda:  # from pinned memory the copy is asynchronous: the step does not wait for it
+            index = index.pin_memory()
+        index = index.to(self.images.device, non_blocking=True)
         images = self.images[index]
         if self.augment:  # on uint8: a quarter of the memory traffic of augmenting floats, same result
             images = random_crop_flip(images, pad_for(images.shape[-1]), sample_keys(index, self.epoch, self.seed))
         # The same operations, in the same order, as ToTensor + Normalize: bit-identical inputs either way.
         images = images.float().div_(255)
         if self.size and images.shape[-1] != self.size:
-            images = F.interpolate(images, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
+            images = F.interpolate(images, size=(self.size, self.size), mode="bilinear", antialias=True,
+                                   align_corners=False)
         return images.sub_(self.mean).div_(self.std), self.labels[index]
 
 
@@ -174,7 +178,7 @@ class TorchvisionSource:
     shape: tuple[int, int, int]
     mean: tuple
     std: tuple
-    local_copy: Optional[Callable[[Path], bool]] = None  # installs a distribution's copy into root
+    local_copy: Callable[[Path], bool] | None = None  # installs a distribution's copy into root
 
 
 def _mnist_tensors(ds):
@@ -219,7 +223,8 @@ SOURCES = {
         lambda root, train, download: torchvision.datasets.CIFAR10(root, train=train, download=download),
         _cifar_tensors, 10, (3, 32, 32), (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "stl10": TorchvisionSource(
-        lambda root, train, download: torchvision.datasets.STL10(root, split="train" if train else "test", download=download),
+        lambda root, train, download: torchvision.datasets.STL10(root, split="train" if train else "test",
+                                                                 download=download),
         _stl_tensors, 10, (3, 96, 96), (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
 }
 
@@ -231,8 +236,12 @@ def _find_torchvision(cfg: DataConfig, name: str, source: TorchvisionSource, tra
         return source.factory(root, train, False)
     except RuntimeError:
         pass
-    if source.local_copy is not None and source.local_copy(root):
-        return source.factory(root, train, False)
+    if source.local_copy is not None:
+        with writing(root, f"unpacking the local copy of {name} into data.root",
+                     "set data.root to a folder you can write"):
+            unpacked = source.local_copy(root)
+        if unpacked:
+            return source.factory(root, train, False)
     failure = "data.download=false"
     if cfg.download:
         try:
@@ -292,7 +301,7 @@ def imagefolder(cfg: DataConfig, train: bool) -> ImageData:
     _imagefolder_split(root, not train)  # report a missing train or val folder before reading either
     split_dir = _imagefolder_split(root, train)
     try:
-        dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform)
+        dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=load_image)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
     num_classes = len(dataset.classes)
@@ -300,6 +309,14 @@ def imagefolder(cfg: DataConfig, train: bool) -> ImageData:
     if limit is not None:
         dataset = Subset(dataset, range(min(limit, len(dataset))))
     return ImageData(dataset, num_classes, (3, size, size))
+
+
+def load_image(path: str) -> Image.Image:
+    """torchvision's loader, with a damaged file named in one line (from a DataLoader worker too)."""
+    try:
+        return torchvision.datasets.folder.default_loader(path)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise UnreadableFileError(f"imagefolder: cannot read {path} ({err}); delete or replace that file") from None
 
 
 def _imagefolder_split(root: Path, train: bool) -> Path:
@@ -327,7 +344,8 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
 def make_loader(data: ImageData, cfg: DataConfig, global_batch: int, train: bool, device: torch.device) -> DataLoader:
     """A loader over GLOBAL batches; Accelerate's prepare (split_batches) hands each process its slice."""
     if train and len(data.dataset) < global_batch:
-        raise UserError(f"the training set has {len(data.dataset)} samples, fewer than train.batch_size={global_batch}; "
+        raise UserError(f"the training set has {len(data.dataset)} samples, fewer than "
+                        f"train.batch_size={global_batch}; "
                         "lower train.batch_size or raise data.train_subset")
     # A loader of its own generator: otherwise each new iterator draws its seed from the global RNG, the
     # stream dropout uses, and a resumed run (whose iterator starts mid-epoch) would see other dropout masks.

@@ -1,7 +1,8 @@
-"""Everything about processes and devices lives here; no other module reads ranks or environment variables.
+"""Process-group concerns live here, and no other module reads ranks or environment variables.
 
-The rest of the package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics`
-and Accelerator's main-process helpers.
+Forming the group on whatever hardware is present, launch checks (world size, batch splits), stop signals and
+the few collectives the loop's decisions need. The rest of the package sees an `Accelerator` and calls
+`prepare`, `backward`, `gather_for_metrics` and Accelerator's main-process helpers.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -82,7 +85,8 @@ def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> 
     if global_batch % n:
         lower, upper = (global_batch // n) * n, (global_batch // n + 1) * n
         hint = f"{lower} or {upper}" if lower else f"{upper}"
-        raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, e.g. {hint}")
+        raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, "
+                        f"e.g. {hint}")
     return global_batch // n
 
 
@@ -96,33 +100,18 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     if not enabled or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cpu":
-        accelerator.print("model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own statistics")
+        accelerator.print("model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own "
+                          "statistics")
         return model
     import torch
 
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def tune_for_device(model: torch.nn.Module, accelerator: Accelerator, channels_last: bool,
-                    compile: bool = False) -> torch.nn.Module:
-    """Device-level speed switches, applied where the model is built (before prepare)."""
-    import torch
-
-    if accelerator.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # input shapes are fixed per run, so the autotuning pays once
-    if channels_last and any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
-        model = model.to(memory_format=torch.channels_last)
-    if compile:
-        # In place rather than torch.compile(model): no `_orig_mod.` wrapper, so the state_dict keys, the
-        # exported model.safetensors and checkpoints are exactly those of the uncompiled model.
-        model.compile()
-    return model
-
-
 def any_process(flag: bool | torch.Tensor, accelerator: Accelerator) -> bool:
     """True on every process if `flag` is true on any: lets all processes stop (or skip) together.
 
-    `flag` may be a one-element tensor on the device, which saves a host sync before the reduction.
+    A host read: for decisions taken once (resume), not per step (see guard.py for the per-step one).
     """
     import torch
 
@@ -130,86 +119,131 @@ def any_process(flag: bool | torch.Tensor, accelerator: Accelerator) -> bool:
     return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
-TEST_NONFINITE_ENV = "ACCEL_TRAIN_TEST_NONFINITE_AT"
+SIGNAL_CHECK_S = 2.0  # how often processes agree on a stop signal: well inside launchers' 30 s grace before SIGKILL
+MAX_STEPS_BETWEEN_CHECKS = 10_000
 
 
-def injected_nonfinite_step(accelerator: Accelerator) -> int | None:
-    """Test hook, not a feature: ACCEL_TRAIN_TEST_NONFINITE_AT=STEP:PROCESS makes the loss that PROCESS
-    reports at optimizer step STEP NaN, to check that the others stop with it instead of hanging."""
-    value = os.environ.get(TEST_NONFINITE_ENV)
-    if not value:
-        return None
-    step, _, process = value.partition(":")
-    return int(step) if int(process or 0) == accelerator.process_index else None
+def steps_between_checks(seconds_per_step: float, every_s: float = SIGNAL_CHECK_S) -> int:
+    """Optimizer steps until the next stop-signal agreement: about `every_s` seconds of the slowest process."""
+    if seconds_per_step <= 0:
+        return 1
+    return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(every_s / seconds_per_step)))
 
 
 class StopSignals:
-    """Records SIGTERM / SIGINT instead of dying on them, so all processes can stop together at a step boundary.
+    """SIGTERM / SIGINT are recorded instead of killing the process; all processes then agree to stop at one step.
 
-    Launchers (torchrun, accelerate launch, SLURM, Kubernetes) forward the signal to every worker and
-    then allow a grace period before SIGKILL; a second signal (the launcher forwarding Ctrl-C once more)
-    must not cut the checkpoint short, so it is only noted.
+    Launchers (torchrun, accelerate launch, SLURM, Kubernetes) forward the signal to every worker and then
+    allow a grace period before SIGKILL; a second signal (the launcher forwarding Ctrl-C once more) must not
+    cut the checkpoint short, so it is only noted.
+
+    The agreement is an all-reduce over a CPU (gloo) group, never the GPU one, so it needs no device sync; and
+    it happens about every SIGNAL_CHECK_S seconds rather than every step, because on several machines each one
+    is a network round trip. Every process computes the same next step to agree at, from values it reduced.
     """
 
     HANDLED = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, collective_timeout_s: float = 600) -> None:
+    def __init__(self, accelerator: Accelerator, collective_timeout_s: float = 600) -> None:
         import threading
 
+        self.accelerator = accelerator
         self.timeout = timedelta(seconds=collective_timeout_s)
         self._group = None
         self.received: str | None = None
+        self.next_check: int | None = None  # None: at the first step asked
+        self._last_check: tuple[int, float] | None = None  # (step, time) of the previous agreement
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            for sig in self.HANDLED:
-                signal.signal(sig, self._record)
+            self._previous = {sig: signal.signal(sig, self._record) for sig in self.HANDLED}
+
+    def __enter__(self) -> StopSignals:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Training is over: the signals act as they did before (a script calling train() gets Ctrl-C back)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _record(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
             print(f"accel-train: {self.received} received by process {launcher_ranks()[0]}: saving a "
-                  "checkpoint at the next step boundary, then exiting", file=sys.stderr, flush=True)
+                  "checkpoint at the next agreed step, then exiting", file=sys.stderr, flush=True)
+
+    def agreed(self, step: int, now: bool = False) -> bool:
+        """True on every process, at the same step, once any process got SIGTERM / SIGINT.
+
+        Asked after every optimizer step; `now=True` (where the processes wait for each other anyway, after an
+        evaluation) agrees at once. A single process needs no agreement and stops at the next step.
+        """
+        if self.accelerator.num_processes == 1:
+            return self.received is not None
+        if not now and self.next_check is not None and step < self.next_check:
+            return False
+        import torch
+        import torch.distributed as dist
+
+        clock = time.perf_counter()
+        seconds_per_step = 0.0
+        if self._last_check is not None and step > self._last_check[0]:
+            seconds_per_step = (clock - self._last_check[1]) / (step - self._last_check[0])
+        flags = torch.tensor([float(self.received is not None), seconds_per_step])
+        if self._group is None:  # every process gets here at the same step, as new_group requires
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout) \
+                if dist.get_backend() != "gloo" else dist.group.WORLD
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        received, slowest = flags.tolist()
+        self.next_check = step + steps_between_checks(slowest)
+        self._last_check = (step, time.perf_counter())
+        return received > 0
+
+    def stop_message(self, step: int, saved) -> str:
+        return (f"stopped by {self.received or 'a signal to another process'} at step {step}; checkpoint saved in "
+                f"{saved}; run the same command with resume=auto to continue")
 
 
-def stop_requested(signals: StopSignals, accelerator: Accelerator) -> bool:
-    """True on every process once any process got SIGTERM / SIGINT.
-
-    Asked at every step, so it must not wait for the GPU: the flag is summed over a CPU (gloo) group,
-    whereas an all-reduce on the NCCL group would need a host sync that stalls the step pipeline.
-    """
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([float(signals.received is not None)])
-    if accelerator.num_processes == 1:
-        return bool(flag.item())
-    if signals._group is None:  # every process gets here at the same step, as new_group requires
-        signals._group = dist.new_group(backend="gloo", timeout=signals.timeout) \
-            if dist.get_backend() != "gloo" else dist.group.WORLD
-    dist.all_reduce(flag, group=signals._group)
-    return flag.item() > 0
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")
 
 
-def child_env(threads: int | None = None) -> dict:
-    """Environment for a run started by accel-train itself (the bench): plain process, fixed thread count."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+@dataclass
+class LauncherSettings:
+    """What a launcher (torchrun, accelerate launch) told this process, for doctor; None outside a launcher."""
+
+    world_size: int | None
+    local_world_size: int | None
+    node_rank: int | None
+    main_address: str | None
+    main_port: int | None
+    mixed_precision: str | None
+    socket_interfaces: dict[str, str]  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME as set here
+
+
+def launcher_settings() -> LauncherSettings:
+    env = os.environ
+
+    def number(name: str) -> int | None:
+        return int(env[name]) if env.get(name) else None
+
+    return LauncherSettings(
+        world_size=launcher_world_size(),
+        local_world_size=number("LOCAL_WORLD_SIZE"),
+        node_rank=number("GROUP_RANK") if env.get("GROUP_RANK") else number("NODE_RANK"),
+        main_address=env.get("MASTER_ADDR") or None,
+        main_port=number("MASTER_PORT"),
+        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION") or None,
+        socket_interfaces={name: env[name] for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if env.get(name)},
+    )
+
+
+def plain_process_env(threads: int | None = None) -> dict:
+    """Environment for a run started by accel-train itself (the bench): a plain process, fixed thread count."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
-
-
-def launch_command(num_processes: int, mixed_precision: str, profile: str | None, args: list[str]) -> list[str]:
-    """`accelerate launch` of `accel-train ARGS` on N processes of this machine (the shipped multi_gpu profile
-    when the checkout has it, else the equivalent flag)."""
-    import socket
-
-    with socket.socket() as sock:  # a free port, so bench runs never collide with a training job's rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    where = ["--config_file", profile] if profile else ["--multi_gpu"]
-    return [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
-            str(num_processes), "--main_process_port", str(port), "--mixed_precision", mixed_precision,
-            "-m", "accel_train", *args]
 
 
 def run_info(accelerator: Accelerator) -> dict:

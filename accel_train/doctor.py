@@ -14,7 +14,6 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 PROBLEM_EXIT_CODE = 1
 CONFIG_KEYS = {"distributed_type": str, "num_processes": int, "num_machines": int, "machine_rank": int,
@@ -25,16 +24,16 @@ CONFIG_KEYS = {"distributed_type": str, "num_processes": int, "num_machines": in
 class Launch:
     """The launch settings doctor checks, from flags > launcher environment > accelerate config file."""
 
-    config_file: Optional[str] = None
+    config_file: str | None = None
     distributed_type: str = "NO"
     num_processes: int = 1
     num_machines: int = 1
     machine_rank: int = 0
-    main_process_ip: Optional[str] = None
+    main_process_ip: str | None = None
     main_process_port: int = 29500
     mixed_precision: str = "no"
     under_launcher: bool = False
-    sources: list[str] = field(default_factory=list)
+    socket_interfaces: dict[str, str] = field(default_factory=dict)  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
 
 
 @dataclass
@@ -49,7 +48,7 @@ class Report:
         self.problems.append(text)
 
 
-def find_config_file(given: Optional[str]) -> Optional[Path]:
+def find_config_file(given: str | None) -> Path | None:
     """The file `accelerate launch` would read: --config_file, else Accelerate's default config, if present."""
     if given:
         return Path(given)
@@ -72,7 +71,8 @@ def resolve_launch(args, report: Report) -> Launch:
                            "fix the file or pass --config_file to a valid one (accelerate config default writes one)")
             config = {}
         if not isinstance(config, dict):
-            report.problem(f"accelerate config {path} is not a mapping of settings; regenerate it with accelerate config")
+            report.problem(f"accelerate config {path} is not a mapping of settings; regenerate it with "
+                           "accelerate config")
             config = {}
         for key, kind in CONFIG_KEYS.items():
             if config.get(key) is not None:
@@ -80,17 +80,20 @@ def resolve_launch(args, report: Report) -> Launch:
                     setattr(launch, key, kind(config[key]))
                 except ValueError:
                     report.problem(f"accelerate config {path}: {key}={config[key]!r} must be a whole number; fix it")
-    env = os.environ
-    if env.get("WORLD_SIZE"):  # under accelerate launch / torchrun: what the launcher actually passed
+    from accel_train.distributed import launcher_settings
+
+    launcher = launcher_settings()
+    if launcher.world_size:  # under accelerate launch / torchrun: what the launcher actually passed
         launch.under_launcher = True
-        launch.num_processes = int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_WORLD_SIZE", launch.num_processes))
+        launch.num_processes = launcher.world_size
+        local = launcher.local_world_size or launch.num_processes
         launch.num_machines = max(1, launch.num_processes // max(1, local))
-        launch.machine_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", launch.machine_rank)))
-        launch.main_process_ip = env.get("MASTER_ADDR", launch.main_process_ip)
-        launch.main_process_port = int(env.get("MASTER_PORT", launch.main_process_port))
-    if env.get("ACCELERATE_MIXED_PRECISION"):
-        launch.mixed_precision = env["ACCELERATE_MIXED_PRECISION"]
+        launch.machine_rank = launcher.node_rank if launcher.node_rank is not None else launch.machine_rank
+        launch.main_process_ip = launcher.main_address or launch.main_process_ip
+        launch.main_process_port = launcher.main_port or launch.main_process_port
+    if launcher.mixed_precision:
+        launch.mixed_precision = launcher.mixed_precision
+    launch.socket_interfaces = launcher.socket_interfaces
     for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"):
         if getattr(args, key) is not None:
             setattr(launch, key, getattr(args, key))
@@ -148,7 +151,7 @@ def interface_addresses() -> dict[str, list[str]]:
             for name, addrs in psutil.net_if_addrs().items()}
 
 
-def route_source(host: str, port: int) -> Optional[str]:
+def route_source(host: str, port: int) -> str | None:
     """This node's address on the route to host (a UDP connect sends nothing, it only picks the route)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
@@ -162,7 +165,8 @@ def check_multi_node(launch: Launch, device: str, timeout: float, report: Report
     n, machines, rank = launch.num_processes, launch.num_machines, launch.machine_rank
     if n % machines:
         report.problem(f"num_processes={n} does not divide by num_machines={machines}: num_processes is the total over "
-                       f"all machines; set it to processes per machine x {machines}, e.g. {max(1, n // machines) * machines}")
+                       f"all machines; set it to processes per machine x {machines}, "
+                       f"e.g. {max(1, n // machines) * machines}")
     if not 0 <= rank < machines:
         report.problem(f"machine_rank={rank} must be 0..{machines - 1}: give each node its own --machine_rank, 0 on "
                        "the node at main_process_ip")
@@ -190,17 +194,18 @@ def check_multi_node(launch: Launch, device: str, timeout: float, report: Report
     else:
         report.info("suggest", f"export {variable}={routing}  (the interface that routes to {address})")
     for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        chosen = os.environ.get(name)
+        chosen = launch.socket_interfaces.get(name)
         if not chosen or chosen.startswith(("^", "=")):  # exclusion / exact-match syntax: leave to the user
             continue
         if not any(interface in interfaces for interface in chosen.split(",")):
             report.problem(f"{name}={chosen} names no interface of this node ({', '.join(sorted(interfaces))}); "
                            f"export {name}={routing or '<interface>'}")
         elif routing and routing not in chosen.split(","):
-            report.problem(f"{name}={chosen} but the route to {address} goes through {routing}; export {name}={routing}")
+            report.problem(f"{name}={chosen} but the route to {address} goes through {routing}; "
+                           f"export {name}={routing}")
 
     local = {a for addrs in interfaces.values() for a in addrs}
-    if device == "cpu" and not os.environ.get("GLOO_SOCKET_IFNAME") and not address.startswith("127."):
+    if device == "cpu" and not launch.socket_interfaces.get("GLOO_SOCKET_IFNAME") and not address.startswith("127."):
         # Without GLOO_SOCKET_IFNAME, gloo advertises the address this node's hostname resolves to.
         hostname = socket.gethostname()
         try:
@@ -234,7 +239,8 @@ def connect(address: str, ip: str, port: int, timeout: float, report: Report) ->
         return (f"{ip} reachable but nothing listens on port {port} yet (fine before machine 0 starts; "
                 "afterwards, a firewall or a wrong main_process_port)")
     except OSError as err:
-        why = "timed out" if isinstance(err, socket.timeout) else (err.strerror or errno.errorcode.get(err.errno, str(err)))
+        why = "timed out" if isinstance(err, socket.timeout) else \
+            (err.strerror or errno.errorcode.get(err.errno, str(err)))
         report.problem(f"cannot reach main_process_ip:port {ip}:{port} from this node ({why} after {timeout:g} s); "
                        "use machine 0's address on a network this node shares and open the port in its firewall")
         return f"{ip}:{port} unreachable"
@@ -252,7 +258,8 @@ def check_process_group(timeout: float, report: Report) -> None:
         joined = int(accelerator.reduce(torch.ones(1, device=accelerator.device), reduction="sum").item())
         accelerator.end_training()
     except Exception as err:  # any failure to form the group is the finding itself
-        report.problem(f"the process group did not form ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+        detail = str(err).splitlines()[0] if str(err) else ""
+        report.problem(f"the process group did not form ({type(err).__name__}: {detail}); "
                        "see the interface and main process lines above")
         return
     expected = launcher_world_size()
@@ -260,7 +267,8 @@ def check_process_group(timeout: float, report: Report) -> None:
         report.problem(f"{joined} processes joined but the launcher asked for {expected}")
     else:
         backend = accelerator.state.backend or "none"
-        report.info("process group", f"{joined} processes joined over {backend} in {time.perf_counter() - started:.1f} s")
+        report.info("process group",
+                    f"{joined} processes joined over {backend} in {time.perf_counter() - started:.1f} s")
 
 
 def run(args) -> int:
@@ -288,7 +296,8 @@ def run(args) -> int:
         prefix = f"[rank {rank}] " if launch.under_launcher else ""
         out = [f"{prefix}{topic:18s} {text}" for topic, text in report.lines]
         out += [f"{prefix}problem: {text}" for text in report.problems]
-        out.append(f"{prefix}{len(report.problems)} problem(s): a launch with these settings would fail" if report.problems
+        out.append(f"{prefix}{len(report.problems)} problem(s): a launch with these settings would fail"
+                   if report.problems
                    else f"{prefix}no problems found")
         print("\n".join(out), flush=True)
     return PROBLEM_EXIT_CODE if report.problems else 0
@@ -296,12 +305,14 @@ def run(args) -> int:
 
 def add_arguments(parser) -> None:
     """The `accelerate launch` flags that decide whether a launch works, so doctor checks the same command."""
-    parser.add_argument("--config_file", help="accelerate config file (default: Accelerate's default config if present)")
+    parser.add_argument("--config_file",
+                        help="accelerate config file (default: Accelerate's default config if present)")
     parser.add_argument("--num_processes", type=int, help="total processes over all machines")
     parser.add_argument("--num_machines", type=int)
     parser.add_argument("--machine_rank", type=int, help="this node's rank, 0 on the main node")
     parser.add_argument("--main_process_ip", help="machine 0's address")
     parser.add_argument("--main_process_port", type=int)
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16", "fp8"])
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the main node and the process group")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds to wait for the main node and the process group")
 

@@ -1,16 +1,32 @@
-"""Errors a user can act on: reported as one line, never as a traceback."""
+"""Errors a user can act on: reported as one line, never as a traceback. Each class is one exit code (README)."""
 
 
 class UserError(Exception):
     """A mistake in what the user asked for (config, paths, launch); exit code 2."""
 
     exit_code = 2
+    # Raised alike on every process (config, launch checks, collective decisions): the main process reports it.
+    # An error one process meets alone (a file it reads or writes) is reported by that process.
+    on_every_process = True
+
+    def __init__(self, message: str) -> None:
+        # A DataLoader worker's exception reaches the main process re-raised with the worker's traceback as its
+        # message; the line we wrote is the traceback's last one.
+        if "Traceback (most recent call last)" in message:
+            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        super().__init__(message)
 
 
 class DataNotFoundError(UserError):
-    """The dataset is in none of the places we look and cannot be downloaded."""
+    """A dataset or weights file is in none of the places we look, or cannot be read; exit code 3."""
 
     exit_code = 3
+
+
+class UnreadableFileError(DataNotFoundError):
+    """One file of the data (an image, exported weights) is damaged or not what its name says; exit code 3."""
+
+    on_every_process = False
 
 
 class LaunchError(UserError):
@@ -20,9 +36,16 @@ class LaunchError(UserError):
 
 
 class NonFiniteError(UserError):
-    """The loss or gradient norm became NaN or inf on some process; every process stopped at that step."""
+    """The loss or gradient norm became NaN or inf on some process; every process stopped at the same step."""
 
     exit_code = 5
+
+
+class StorageError(UserError):
+    """output_dir cannot be written (disk full, read-only, permission denied); exit code 74 (EX_IOERR)."""
+
+    exit_code = 74
+    on_every_process = False
 
 
 class Preempted(Exception):
@@ -33,3 +56,71 @@ class Preempted(Exception):
     """
 
     exit_code = 75
+
+
+def warn(accelerator, text: str) -> None:
+    """One warning line on stderr, from the main process only."""
+    import sys
+
+    if accelerator.is_main_process:
+        print(f"accel-train: warning: {text}", file=sys.stderr, flush=True)
+
+
+FULL_DISK_BYTES = 16 * 2**20  # below this much free space, a failed write is taken to be the full disk
+
+
+RESUME_HINT = ("free space or choose another output_dir, then run again with resume=auto: checkpoints saved before "
+               "are intact")
+
+
+def storage_error(path, action: str, err: Exception, hint: str = RESUME_HINT) -> StorageError | None:
+    """The StorageError to raise when writing `path` failed because of the disk, or None for any other cause.
+
+    torch.save reports a full disk only as "unexpected pos" and safetensors as an "I/O error", so the free
+    space is asked for when the error itself does not say.
+    """
+    import errno
+    import shutil
+    from pathlib import Path
+
+    code, text = getattr(err, "errno", None), str(err)
+    reason = None
+    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text:
+        reason = "no space left on the device"
+    elif code == errno.EROFS:
+        reason = "read-only file system"
+    elif code in (errno.EACCES, errno.EPERM):
+        reason = "permission denied"
+    elif isinstance(err, OSError):
+        reason = err.strerror or type(err).__name__
+    else:
+        folder = Path(path)
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        if free is not None and free < FULL_DISK_BYTES:
+            reason = f"no space left on the device: {free / 2**20:.1f} MiB free"
+    if reason is None:
+        return None
+    return StorageError(f"cannot write {path} while {action} ({reason}); {hint}")
+
+
+class writing:
+    """`with writing(path, "saving a checkpoint"):` turns a failure of the disk into one StorageError line."""
+
+    def __init__(self, path, action: str, hint: str = RESUME_HINT) -> None:
+        self.path, self.action, self.hint = path, action, hint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        if err is None or isinstance(err, UserError) or not isinstance(err, Exception):
+            return False
+        error = storage_error(self.path, self.action, err, self.hint)
+        if error is None:
+            return False
+        raise error from None

@@ -1,8 +1,12 @@
-"""The non-finite guard: a NaN or inf loss or gradient norm on any process stops (or skips) the step on all.
+"""The non-finite guard: a NaN or inf loss term or gradient norm on any process skips that optimizer step on all.
 
-A process that exits alone on NaN leaves the others blocked in their next collective; here every process
-takes the same decision from one all-reduce, so they stop together at the same step, before the
-optimizer step and before any model or checkpoint is written, or all skip that step.
+A process that exits alone on NaN leaves the others blocked in their next collective, and a host read of a
+device flag at every step would serialise the CPU and the GPU. So each step is decided and applied on the
+device: the flag is reduced across processes there and handed to the fused optimizer as `found_inf`, the
+way GradScaler skips a step, and no non-finite update reaches the weights. The host reads the outcome only
+where the loop needs every process to agree anyway (a train line, a checkpoint, an evaluation): there every
+process stops together (`train.on_nonfinite=stop`, before anything is saved) or reports the skipped steps
+(`skip`), in one line naming each process's terms at the first non-finite step.
 """
 
 from __future__ import annotations
@@ -12,10 +16,8 @@ import math
 import torch
 from accelerate import Accelerator
 
-from accel_train.config import Config
-from accel_train.distributed import any_process, injected_nonfinite_step
-from accel_train.errors import NonFiniteError
-from accel_train.hooks import RunState
+from accel_train.errors import NonFiniteError, warn
+from accel_train.observers import Progress
 
 
 def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | None:
@@ -25,36 +27,74 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
 
 
 class NonFiniteGuard:
-    def __init__(self, config: Config, accelerator: Accelerator) -> None:
-        self.accelerator, self.policy = accelerator, config.train.on_nonfinite
-        self.poison_step = injected_nonfinite_step(accelerator)
+    def __init__(self, policy: str, accelerator: Accelerator) -> None:
+        self.policy, self.accelerator = policy, accelerator
+        self.names: list[str] = []
+        self.checked_step = -1
+        self._reset()
 
-    def allows_step(self, run: RunState, terms: dict[str, torch.Tensor], grad_norm: torch.Tensor | None) -> bool:
-        """False when every process must skip this step; raises NonFiniteError on every process to stop."""
-        step = run.step + 1
-        if step == self.poison_step:
-            terms = {**terms, "loss": terms["loss"] * math.nan}
-        values = self._values(terms, grad_norm)
-        checked = values if self.accelerator.scaler is None else values[:-1]
-        # Under fp16 an inf gradient is routine: the GradScaler skips that step and lowers its scale.
-        if not any_process(~torch.isfinite(checked).all(), self.accelerator):
-            return True
-        report = self._report(terms, grad_norm, step, run.epoch)
-        if self.policy == "stop":
-            raise NonFiniteError(f"{report}; every process stopped before updating the weights, files written before are "
-                                 "untouched. Lower train.lr, set train.clip_grad_norm, or set train.on_nonfinite=skip")
-        if self.accelerator.is_main_process:
-            print(f"accel-train: warning: {report}; step skipped on every process (train.on_nonfinite=skip)", flush=True)
-        return False
+    def _reset(self) -> None:
+        device = self.accelerator.device
+        self.bad_steps = torch.zeros((), device=device)  # since the last check; equal on every process
+        self.first_step = torch.zeros((), dtype=torch.long, device=device)  # the first of them
+        self.first_values: torch.Tensor | None = None  # this process's terms and gradient norm at that step
 
-    def _values(self, terms: dict[str, torch.Tensor], grad_norm: torch.Tensor | None) -> torch.Tensor:
+    def step(self, optimizer, terms: dict[str, torch.Tensor], grad_norm: torch.Tensor | None,
+             step: int) -> torch.Tensor:
+        """optimizer.step(), unless a term or the gradient norm is non-finite on some process: then no process
+        updates anything. Returns that decision as a device tensor (1. = skipped), without reading it."""
+        self.names = [*terms, "grad_norm"]
         norm = grad_norm if grad_norm is not None else torch.zeros((), device=self.accelerator.device)
-        return torch.stack([*(value.detach().float() for value in terms.values()), norm.detach().float().reshape(())])
+        values = torch.stack([*(value.detach().float() for value in terms.values()), norm.detach().float().reshape(())])
+        # Under fp16 an inf gradient is routine: the GradScaler skips that step and lowers its scale.
+        checked = values if self.accelerator.scaler is None else values[:-1]
+        bad = self.accelerator.reduce((~torch.isfinite(checked)).any().float(), reduction="max")
+        first = (self.bad_steps == 0) & (bad > 0)
+        self.first_step = torch.where(first, step, self.first_step)
+        self.first_values = torch.where(first, values, values if self.first_values is None else self.first_values)
+        self.bad_steps += bad
+        self._apply(optimizer, bad)
+        return bad
 
-    def _report(self, terms: dict[str, torch.Tensor], grad_norm: torch.Tensor | None, step: int, epoch: int) -> str:
+    def _apply(self, optimizer, bad: torch.Tensor) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's AcceleratedOptimizer
+        if self.accelerator.scaler is not None:
+            optimizer.step()  # fp16: GradScaler skips steps with non-finite gradients itself
+        elif getattr(inner, "_step_supports_amp_scaling", False):  # fused optimizers read found_inf on the device
+            inner.found_inf = bad
+            try:
+                optimizer.step()
+            finally:
+                del inner.found_inf
+        elif not bad.item():  # an optimizer without found_inf: the host has to decide, one read per step
+            optimizer.step()
+
+    def check(self, progress: Progress) -> None:
+        """Called by the loop on every process at the same step: one host read. On a non-finite step since the
+        last check, stops every process (NonFiniteError) or warns that steps were skipped."""
+        step = progress.step
+        if step == self.checked_step:  # e.g. the last step's train line, then its evaluation
+            return
+        self.checked_step = step
+        bad_steps, first_step = torch.stack([self.bad_steps.long(), self.first_step]).tolist()
+        if not bad_steps:
+            return
+        # a collective: every process read the same bad_steps
+        report = self._report(first_step, progress.steps_per_epoch)
+        self._reset()
+        if self.policy == "stop":
+            stopped = "" if step == first_step else f" at step {step}"
+            raise NonFiniteError(f"{report}; every process stopped{stopped} without applying that step, and "
+                                 "nothing was saved after it: files written before are untouched. Lower train.lr, "
+                                 "set train.clip_grad_norm, or set train.on_nonfinite=skip")
+        skipped = "step skipped on every process" if bad_steps == 1 else \
+            f"{bad_steps} steps skipped on every process between steps {first_step} and {step}"
+        warn(self.accelerator, f"{report}; {skipped} (train.on_nonfinite=skip)")
+
+    def _report(self, step: int, steps_per_epoch: int) -> str:
         """One line with every process's terms: the process that went wrong is usually not the main one."""
-        names = [*terms, "grad_norm"] if grad_norm is not None else list(terms)
-        table = self.accelerator.gather(self._values(terms, grad_norm)[None]).tolist()
-        per_process = "; ".join(f"process {index}: " + " ".join(f"{name}={value:.6g}" for name, value in zip(names, row))
-                                for index, row in enumerate(table))
-        return f"non-finite loss or gradient norm at step {step} (epoch {epoch}): {per_process}"
+        table = self.accelerator.gather(self.first_values[None]).tolist()
+        per_process = "; ".join(
+            f"process {index}: " + " ".join(f"{name}={value:.6g}" for name, value in zip(self.names, row))
+            for index, row in enumerate(table))
+        return f"non-finite loss or gradient norm at step {step} (epoch {(step - 1) // steps_per_epoch}): {per_process}"

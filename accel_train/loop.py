@@ -15,10 +15,11 @@ The same code runs on one CPU, one GPU, many GPUs and many machines; only the la
 
 Before a multi-node run, `accel-train doctor` on each node names whatever would make the launch fail.
 
-train.batch_size is global: N processes each take batch_size / N samples per optimizer step.
-Workload specifics live in a Task (tasks.py, vae.py); features such as logging hook in (hooks.py), and so does
-checkpointing (checkpoint.py): add `resume=auto` to any command above to continue a stopped run exactly.
-guard.py clips gradients and stops (or skips) a step whose loss is not finite on some process.
+train.batch_size is global: N processes each take batch_size / N samples per optimizer step. Workload
+specifics live in a Task (tasks/). Every point where all processes must agree is a call in this file:
+whether a step is applied (guard.py, decided on the device), when the host reads that decision and stops
+or warns (`guard.check`), when processes agree on a stop signal, when a checkpoint is saved, when the run
+evaluates and ends. Observers (console, run folder, pictures) only watch, on the main process.
 """
 
 from __future__ import annotations
@@ -28,22 +29,33 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from accel_train.checkpoint import check_resume, resume
+from accel_train.checkpoint import Checkpoints, check_resume
 from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader, start_epoch
-from accel_train.distributed import (make_accelerator, maybe_sync_batchnorm, per_process_batch, round_up_to_world,
-                                     tune_for_device)
-from accel_train.errors import UserError
+from accel_train.distributed import (
+    StopSignals,
+    make_accelerator,
+    maybe_sync_batchnorm,
+    per_process_batch,
+    round_up_to_world,
+    run_info,
+)
+from accel_train.errors import DataNotFoundError, Preempted, UnreadableFileError, UserError, writing
 from accel_train.guard import NonFiniteGuard, clip_gradients
-from accel_train.hooks import RunState, TrainMeter, default_hooks
+from accel_train.meter import TrainMeter
+from accel_train.models import tune_for_device
+from accel_train.observers import Console, Observers, Progress
 from accel_train.optim import build_optimizer, build_scheduler, total_steps
+from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir
 from accel_train.tasks import TASKS
 
 
 def train(config: Config) -> dict:
     task = TASKS.get(config.task)()
     task.check_config(config)
+    check_output_dir(config)
     check_resume(config)
+    task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     set_seed(config.seed)  # the same initial weights on every process
@@ -51,7 +63,7 @@ def train(config: Config) -> dict:
         train_data = build_dataset(config.data, train=True)
         eval_data = build_dataset(config.data, train=False)
     model = maybe_sync_batchnorm(task.build_model(config, train_data), config.model.sync_batchnorm, accelerator)
-    model = tune_for_device(model, accelerator, config.train.channels_last, config.train.compile)
+    model = tune_for_device(model, accelerator.device, config.train.channels_last, config.train.compile)
     optimizer = build_optimizer(config.train, model)
     train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device)
     eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
@@ -61,43 +73,79 @@ def train(config: Config) -> dict:
         model, optimizer, train_loader, eval_loader, scheduler)
     set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
 
-    run = RunState(config, accelerator, len(train_loader), total_steps(config.train, len(train_loader)))
-    start = resume(config, accelerator, model, run)  # resume=auto / PATH: weights, optimizer, scheduler, RNG, step
-    hooks = default_hooks(config, accelerator, task.hooks(config))
+    progress = Progress(steps_per_epoch=len(train_loader), total_steps=total_steps(config.train, len(train_loader)))
+    checkpoints = Checkpoints(config, accelerator)
+    start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
+    progress.step, progress.last_eval = start.step, start.last_eval
     meter = TrainMeter(accelerator, config.train.batch_size)
-    guard = NonFiniteGuard(config, accelerator)
-    hooks.fire("on_train_start", run)
-    for run.epoch in range(start.epoch, config.train.epochs):
-        model.train()
-        start_epoch(train_loader, run.epoch, config.seed)
-        # The seedable sampler's order depends on (seed, epoch) only; skipping what the checkpoint already
-        # trained makes a resumed epoch see exactly the batches an uninterrupted run would.
-        resumed_epoch = run.epoch == start.epoch and start.skip
-        for batch in accelerator.skip_first_batches(train_loader, start.skip) if resumed_epoch else train_loader:
-            terms = task.training_step(model, batch)
-            accelerator.backward(terms["loss"])
-            grad_norm = clip_gradients(accelerator, model, config.train.clip_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            if guard.allows_step(run, terms, grad_norm):  # the same answer on every process; may raise on all
-                optimizer.step()
-                meter.update(terms)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.step += 1
-            if run.step % config.train.log_every_steps == 0 or run.step == run.total_steps:
-                hooks.fire("on_log", run, {**meter.compute(), "lr": lr})
-            hooks.fire("on_step_end", run)
-            if run.step >= run.total_steps or run.should_stop:
+    if start.loop_state:
+        meter.load_state_dict(start.loop_state)
+    guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
+    observers = main_process_observers(config, accelerator, task, start)
+
+    def save(evaluated: bool) -> Path:
+        guard.check(progress)  # never save past a non-finite step (stop policy)
+        with meter.paused():
+            return checkpoints.save(progress, evaluated, meter.state_dict())
+
+    with StopSignals(accelerator, config.train.collective_timeout_s) as signals:  # SIGTERM / SIGINT
+        observers.on_train_start(progress)
+        for progress.epoch in range(start.epoch, config.train.epochs):
+            model.train()
+            start_epoch(train_loader, progress.epoch, config.seed)
+            # The seedable sampler's order depends on (seed, epoch) only; skipping what the checkpoint already
+            # trained makes a resumed epoch see exactly the batches an uninterrupted run would.
+            skip = start.skip if progress.epoch == start.epoch else 0
+            for batch in accelerator.skip_first_batches(train_loader, skip) if skip else train_loader:
+                terms = task.training_step(model, batch)
+                accelerator.backward(terms["loss"])
+                grad_norm = clip_gradients(accelerator, model, config.train.clip_grad_norm)
+                lr = scheduler.get_last_lr()[0]
+                skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                meter.update(terms, skipped)
+                progress.step += 1
+                last = progress.step >= progress.total_steps
+                if progress.step % config.train.log_every_steps == 0 or last:
+                    guard.check(progress)  # the host reads: all stop here, or warn
+                    observers.on_log(progress, {**meter.compute(), "lr": lr})
+                observers.on_step_end(progress)
+                if signals.agreed(progress.step):  # SIGTERM / SIGINT on any process: all save and stop at this step
+                    raise Preempted(signals.stop_message(progress.step, save(evaluated=False)))
+                epoch_ends = last or progress.step % progress.steps_per_epoch == 0  # evaluation and its save follow
+                if checkpoints.due(progress.step) and not epoch_ends:
+                    save(evaluated=False)
+                if last:
+                    break
+            guard.check(progress)  # nothing is evaluated past a non-finite step
+            with meter.paused():
+                progress.last_eval = evaluate(accelerator, model, task, eval_loader)
+            observers.on_eval(progress, progress.last_eval)
+            stopping = signals.agreed(progress.step, now=True)
+            last = progress.step >= progress.total_steps
+            if stopping or checkpoints.due_after_eval(progress.step, last):
+                saved = save(evaluated=True)
+                if stopping:
+                    raise Preempted(signals.stop_message(progress.step, saved))
+            if last:
                 break
-        run.last_eval = evaluate(accelerator, model, task, eval_loader)
-        hooks.fire("on_eval", run, run.last_eval)
-        meter.exclude_time_since_last_step()
-        if run.step >= run.total_steps or run.should_stop:
-            break
-    accelerator.save_model(model, config.output_dir)
-    hooks.fire("on_train_end", run)
+        with writing(Path(config.output_dir) / MODEL_FILE, "exporting the trained model"):
+            accelerator.save_model(model, config.output_dir)
+        observers.on_train_end(progress)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
-    return run.last_eval
+    return progress.last_eval
+
+
+def main_process_observers(config: Config, accelerator, task, start) -> Observers:
+    """Only the main process prints and writes run files; the other processes have no observers."""
+    if not accelerator.is_main_process:
+        return Observers([])
+    info = run_info(accelerator)
+    headline = (f"training {config.model.name} on {config.data.name}: {info['world_size']} process(es), "
+                f"{info['device']}, mixed precision {info['mixed_precision']}")
+    return Observers([RunFolder(config, info, start), Console(headline, config.output_dir, config.train.progress_bar),
+                      *task.observers(config)])
 
 
 @torch.no_grad()
@@ -112,21 +160,21 @@ def evaluate(accelerator, model, task, loader) -> dict:
 
 def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
     """`accel-train eval`: load exported weights (safetensors) and evaluate them on the eval split."""
-    from safetensors.torch import load_file
-
     task = TASKS.get(config.task)()
     task.check_config(config)
     weights = Path(checkpoint)
     if weights.is_dir():
-        weights = weights / "model.safetensors"
+        weights = weights / MODEL_FILE
     if not weights.is_file():
-        raise UserError(f"checkpoint={checkpoint}: no model.safetensors there; pass the output_dir of a run or the file")
+        raise DataNotFoundError(f"checkpoint={checkpoint}: no {MODEL_FILE} there; pass the output_dir of a run, "
+                                "a checkpoint folder or the file")
+    state = read_weights(weights)
     accelerator = make_accelerator(config.seed)
     with accelerator.local_main_process_first():
         eval_data = build_dataset(config.data, train=False)
     model = task.build_model(config, eval_data)
     try:
-        model.load_state_dict(load_file(str(weights)))
+        model.load_state_dict(state)
     except RuntimeError as err:
         detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
         raise UserError(f"checkpoint={checkpoint} does not fit model.name={config.model.name} "
@@ -137,3 +185,15 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
     metrics = evaluate(accelerator, model, task, eval_loader)
     accelerator.end_training()
     return metrics
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or one line saying the file is damaged."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors' own error for a bad header, OSError for a short read
+        raise UnreadableFileError(f"{path} is not a readable safetensors file ({str(err).splitlines()[0]}); it may "
+                                  "be truncated or damaged: train again, or evaluate a checkpoint under "
+                                  "OUTPUT_DIR/checkpoints/") from None

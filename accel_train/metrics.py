@@ -10,7 +10,18 @@ import datasets
 import evaluate
 import numpy as np
 
+from accel_train.errors import storage_error
+
 _CITATION = ""
+
+
+def in_memory(metric_class: type[evaluate.Metric], *args) -> evaluate.Metric:
+    """A metric that keeps its data in memory; evaluate still makes a folder for it in the Hugging Face cache."""
+    try:
+        return metric_class(*args, keep_in_memory=True)
+    except OSError as err:
+        raise storage_error(err.filename or "the Hugging Face cache", "creating an evaluate metric", err,
+                            "set HF_HOME to a folder you can write (evaluate keeps its metric files there)") from None
 
 
 class ClassificationMetrics(evaluate.Metric):

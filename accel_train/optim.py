@@ -11,11 +11,20 @@ from accel_train.config import TrainConfig
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The fused implementation: one kernel per step, and it applies the non-finite guard's decision on the
+    device (`found_inf`, as GradScaler uses it), so no step waits for the host to read a flag."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
+        if cfg.momentum:
+            # Fused SGD creates its momentum buffers uninitialised (empty_like) on its first step and fills them
+            # only if that step is applied; zeros make a skipped first step harmless and the first applied
+            # step identical (buffer = 0 * momentum + gradient, as dampening is 0).
+            for param in params:
+                optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+        return optimizer
     optimizer_class = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return optimizer_class(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return optimizer_class(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 class LRFactor:

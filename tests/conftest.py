@@ -14,12 +14,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = REPO / "accelerate_configs"
+PROBE = "tests/launched_probe.py"  # the CLI with recorders and injected faults (see its docstring)
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 # `python -m` from the repo root: the code under test is this checkout's, whatever the venv points at.
 PYTHON = sys.executable
 
 needs_fashion_mnist = pytest.mark.skipif(
-    not FASHION_MNIST.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist; make test does it)"
+    not FASHION_MNIST.is_dir(),
+    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist; make test does it)"
 )
 
 
@@ -39,6 +41,40 @@ def _env(extra: dict | None = None) -> dict:
 def run_cli(*args: str, timeout: int = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """`accel-train ARGS` in one plain process."""
     return _run([PYTHON, "-m", "accel_train", *args], timeout, check, env)
+
+
+def train_in_process(recipe: str, *overrides: str) -> dict:
+    """`accel-train train RECIPE OVERRIDES` in this process, for set-ups whose point is not the command line (a
+    model to evaluate, a reference run): no interpreter start. One thread, as the launched runs have."""
+    from accel_train import loop
+    from accel_train.config import load_config
+
+    return _one_thread(loop.train, load_config(recipe, list(overrides)))
+
+
+def evaluate_in_process(recipe: str, checkpoint: Path, *overrides: str) -> dict:
+    """`accel-train eval RECIPE checkpoint=CHECKPOINT OVERRIDES` in this process: its metrics."""
+    from accel_train import loop
+    from accel_train.config import load_config
+
+    return _one_thread(loop.evaluate_checkpoint, load_config(recipe, list(overrides)), str(checkpoint))
+
+
+def _one_thread(function, *args):
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return function(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_probe(*args: str, env: dict | None = None, check: bool = True,
+              timeout: int = 300) -> subprocess.CompletedProcess:
+    """tests/launched_probe.py ARGS in one plain process: the CLI with the faults `env` asks for."""
+    return _run([PYTHON, PROBE, *args], timeout, check, env)
 
 
 def _launch_command(num_processes: int, args: tuple[str, ...], profile: str, script: str | None = None) -> list[str]:
@@ -69,7 +105,8 @@ def start_launch(num_processes: int, *args: str, log: Path, profile: str = "mult
 def _run(command: list[str], timeout: int, check: bool, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(command, cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
     return result
 
 

@@ -1,15 +1,25 @@
-"""`accel-train ARGS` with recorders, for contracts that metrics.jsonl cannot show.
+"""`accel-train ARGS` with recorders and injected faults, for contracts that metrics.jsonl cannot show.
 
-Launched like the CLI (`accelerate launch tests/launched_probe.py train RECIPE ...`); runs the real CLI
-and loop, and writes PROBE_DIR/rank{R}.json with, for this process:
+Run like the CLI (`accelerate launch tests/launched_probe.py train RECIPE ...`, or plain `python`); it runs
+the real CLI and loop. The test hooks of the package live here, not in it.
+
+Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process:
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
 - `augment`: a fingerprint of the crop/flip parameters drawn for each augmented batch;
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses.
 The recorders never change what the run computes: the fingerprint reuses the batch's own keys.
+
+Faults:
+- PROBE_NONFINITE=STEP:PROCESS makes that process's loss NaN at optimizer step STEP before backward, so the
+  NaN crosses the gradient all-reduce as in life; STEP:PROCESS:grad leaves the loss finite and makes one
+  gradient inf instead.
+- PROBE_CRASH_AFTER_SAVE=STEP ends every process (exit 1, no clean-up) right after the checkpoint of STEP,
+  as a machine failure would.
 """
 
 import json
+import math
 import os
 import sys
 
@@ -65,16 +75,76 @@ def lr_traces(seed: int) -> dict:
     return traces, accelerator.process_index
 
 
+def inject_nonfinite(spec: str) -> None:
+    from accelerate import PartialState
+
+    from accel_train.tasks import TASKS
+
+    try:
+        step, process, *where = spec.split(":")
+        step, process, where = int(step), int(process), (where or ["loss"])[0]
+        assert where in ("loss", "grad")
+    except (ValueError, AssertionError):
+        sys.exit(f"PROBE_NONFINITE={spec}: expected STEP:PROCESS or STEP:PROCESS:grad")
+    calls = {"steps": 0}
+
+    def poisoned(training_step):
+        def training_step_with_fault(self, model, batch):
+            terms = training_step(self, model, batch)
+            calls["steps"] += 1
+            if calls["steps"] != step or PartialState().process_index != process:
+                return terms
+            if where == "loss":
+                return {**terms, "loss": terms["loss"] * math.nan}
+            param, fired = next(p for p in model.parameters() if p.requires_grad), []
+
+            def infinite_once(grad):  # runs before the all-reduce, like an overflow in this process's backward
+                if not fired:
+                    fired.append(True)
+                    return torch.full_like(grad, math.inf)
+                return None
+
+            param.register_hook(infinite_once)
+            return terms
+        return training_step_with_fault
+
+    for name in TASKS.names():
+        task = TASKS.get(name)
+        task.training_step = poisoned(task.training_step)
+
+
+def crash_after_save(step: int) -> None:
+    from accel_train.checkpoint import Checkpoints
+
+    save = Checkpoints.save
+
+    def save_then_crash(self, progress, *args, **kwargs):
+        saved = save(self, progress, *args, **kwargs)
+        if progress.step == step:
+            sys.stdout.flush()
+            os._exit(1)
+        return saved
+
+    Checkpoints.save = save_then_crash
+
+
 if __name__ == "__main__":
     seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
-    record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
-    loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip = make_loader, getitems, random_crop_flip
+    if os.environ.get("PROBE_NONFINITE"):
+        inject_nonfinite(os.environ["PROBE_NONFINITE"])
+    if os.environ.get("PROBE_CRASH_AFTER_SAVE"):
+        crash_after_save(int(os.environ["PROBE_CRASH_AFTER_SAVE"]))
+    out = os.environ.get("PROBE_DIR")
+    if out:
+        record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
+        loop.make_loader, data.random_crop_flip = make_loader, random_crop_flip
+        data.InMemoryImages.__getitems__ = getitems
     try:
         cli.main(sys.argv[1:])
     except SystemExit as exit:
         if exit.code:
             raise
-    out = os.environ["PROBE_DIR"]
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
-        json.dump(record, file)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+            json.dump(record, file)

@@ -1,4 +1,6 @@
-"""Contract of `accel-train bench`: it runs end to end and leaves well-formed bench.json / bench.md (numbers unchecked)."""
+"""Contract of `accel-train bench`: it runs end to end and leaves well-formed bench.json / bench.md.
+
+The numbers are not checked: timings belong to the bench, not to tests."""
 
 import json
 import math

@@ -1,11 +1,14 @@
 """Contracts of checkpoints and resume, with 2 processes through the shipped multi_gpu profile (gloo on CPU).
 
-One uninterrupted run is the reference. A run stopped in any way (max_steps at an epoch boundary or
-mid-epoch, SIGTERM, a killed worker, a damaged newest checkpoint) and continued with resume=auto must
-reproduce its train losses line by line and its final weights bit for bit. Dropout and random
-crop/flip stay on, so the restored RNG state has to give the same masks and the resumed epoch the same crops.
+One uninterrupted run is the reference. A run stopped in any way (a crash right after a checkpoint at an
+epoch boundary or mid-epoch, SIGTERM, a killed worker, a damaged newest checkpoint) and continued with
+resume=auto must reproduce its metrics.jsonl line for line (samples_per_s aside) and its final weights bit
+for bit. Dropout and random crop/flip stay on, so the restored RNG state has to give the same masks and the
+resumed epoch the same crops; train lines every 3 steps and checkpoints every 4 put most resume points in
+the middle of a line's steps, so the restored partial sums have to give the same averages.
 """
 
+import json
 import re
 import shutil
 import signal
@@ -21,11 +24,11 @@ import yaml
 from safetensors.torch import load_file
 
 from accel_train.checkpoint import list_checkpoints, to_keep
-from conftest import PYTHON, REPO, launch, read_metrics, run_cli, start, start_launch
+from conftest import PROBE, PYTHON, REPO, launch, read_metrics, run_cli, start, start_launch
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
 RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.augment=true", "data.train_subset=240", "data.eval_subset=50",
-       "train.batch_size=24", "train.epochs=3", "train.log_every_steps=1",
+       "train.batch_size=24", "train.epochs=3", "train.log_every_steps=3",
        "checkpoint.every_steps=4", "checkpoint.keep_last=2", "checkpoint.best_metric=accuracy"]
 
 
@@ -36,14 +39,13 @@ def reference(tmp_path_factory):
     return out
 
 
-def train_lines(out: Path) -> list[dict]:
-    return [{key: line[key] for key in ("epoch", "step", "loss", "lr")} for line in read_metrics(out, "train")]
+def metrics_without_timing(out: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{key: value for key, value in line.items() if key != "samples_per_s"} for line in lines]
 
 
 def assert_same_run(out: Path, reference: Path) -> None:
-    assert train_lines(out) == train_lines(reference)
-    epoch_end_evals = [line for line in read_metrics(out, "eval") if line["step"] % STEPS_PER_EPOCH == 0]
-    assert epoch_end_evals == read_metrics(reference, "eval")
+    assert metrics_without_timing(out) == metrics_without_timing(reference)
     ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[key], theirs[key]) for key in ours)
@@ -79,11 +81,16 @@ def test_checkpoints_keep_the_newest_and_the_best_and_describe_themselves(refere
     assert all((folder / name).stat().st_size == size for name, size in meta["files"].items())
 
 
-def test_resume_after_stops_at_an_epoch_boundary_and_mid_epoch_equals_the_uninterrupted_run(reference, tmp_path):
-    launch(2, *RUN, f"output_dir={tmp_path}", "train.max_steps=10")  # stops at the end of epoch 0
-    launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto", "train.max_steps=15")  # then mid-epoch 1
+def test_crashes_after_checkpoints_at_an_epoch_end_and_mid_interval_then_resume_equal_the_uninterrupted_run(
+        reference, tmp_path):
+    # Step 10 ends epoch 0 (its checkpoint follows the evaluation); step 16 is mid-epoch 1 and the first of the
+    # three steps of the train line at 18, so that line averages one step from before the crash and two after.
+    for crash_after in (10, 16):
+        crashed = launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto", script=PROBE,
+                         env={"PROBE_CRASH_AFTER_SAVE": str(crash_after)}, check=False)
+        assert crashed.returncode != 0 and checkpoints(tmp_path)[-1][1]["step"] == crash_after
     result = launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
-    assert "step 15, epoch 1, 5 batches of it done" in result.stdout
+    assert "step 16, epoch 1, 6 batches of it done" in result.stdout
     assert_same_run(tmp_path, reference)
 
 

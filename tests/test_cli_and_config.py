@@ -96,3 +96,22 @@ def test_help_does_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip().endswith("torch not loaded")
     assert "accel-train train RECIPE" in result.stdout
+
+
+def test_every_relative_link_in_the_documentation_resolves():
+    import re
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_every_config_key_is_documented_with_its_default():
+    from accel_train.config import describe_keys
+
+    table = (REPO / "docs" / "config.md").read_text()
+    for key, _, _, default in describe_keys():
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+        assert f"| `{key}` | {shown} |" in table or (default == "" and f"| `{key}` | |" in table), key

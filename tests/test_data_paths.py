@@ -6,20 +6,22 @@ from accelerate.data_loader import prepare_data_loader
 
 from accel_train.config import DataConfig
 from accel_train.data import ImageData, InMemoryImages, make_loader, random_crop_flip, sample_keys
-from conftest import launch, read_metrics, run_cli
+from conftest import launch, read_metrics
 
 CPU = torch.device("cpu")
 
 
 def _images(count=37, channels=3, side=8, augment=False):
-    pixels = torch.randint(0, 256, (count, channels, side, side), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    pixels = torch.randint(0, 256, (count, channels, side, side), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
     # label = sample index, so a batch's labels say exactly which samples it holds
     return ImageData(InMemoryImages(pixels, torch.arange(count), (0.5,) * channels, (0.25,) * channels, augment), 10,
                      (channels, side, side))
 
 
 def _loaders(data, batch, train):
-    return [make_loader(data, DataConfig(on_device=on_device, num_workers=0), batch, train, CPU) for on_device in (True, False)]
+    return [make_loader(data, DataConfig(on_device=on_device, num_workers=0), batch, train, CPU)
+            for on_device in (True, False)]
 
 
 def test_random_crop_flip_gives_each_image_a_padded_crop_possibly_mirrored():
@@ -28,7 +30,7 @@ def test_random_crop_flip_gives_each_image_a_padded_crop_possibly_mirrored():
     padded = torch.nn.functional.pad(images, (2,) * 4)
     flipped = 0
     for source, result in zip(padded, out):
-        crops = [source[:, t:t + 6, l:l + 6] for t in range(5) for l in range(5)]
+        crops = [source[:, t:t + 6, left:left + 6] for t in range(5) for left in range(5)]
         plain = any(torch.equal(result, crop) for crop in crops)
         mirrored = any(torch.equal(result, crop.flip(-1)) for crop in crops)
         assert plain or mirrored
@@ -74,18 +76,20 @@ def test_accelerate_gives_every_process_the_same_samples_on_both_paths(processes
         assert len(shards[0]) == (3 if train else 4)
 
 
-SYNTHETIC = ["cifar10_resnet50", "model.name=resnet18", "data.synthetic=true", "data.augment=false", "data.train_subset=48",
+SYNTHETIC = ["cifar10_resnet50", "model.name=resnet18", "data.synthetic=true", "data.augment=false",
+             "data.train_subset=48",
              "data.eval_subset=101", "train.batch_size=12", "train.eval_batch_size=20", "train.max_steps=3",
              "train.log_every_steps=1", "train.warmup_steps=0", "data.num_workers=0"]
 
 
-@pytest.mark.parametrize("processes", [1, 2, 3])
-def test_device_path_trains_and_evaluates_like_the_dataloader_path_at_any_world_size(processes, tmp_path):
+def test_device_path_trains_and_evaluates_like_the_dataloader_path_at_3_processes(tmp_path):
     # BatchNorm normalises over each process's own shard (no SyncBatchNorm on CPU), so the losses and the
-    # final metrics only agree if every process got the same samples on both paths.
+    # final metrics only agree if every process got the same samples on both paths. 3 processes split neither
+    # the 101 eval samples nor the batch of 12 evenly; the shards at 1, 2 and 3 processes are checked above.
+    processes = 3
     for on_device in ("true", "false"):
         args = ["train", *SYNTHETIC, f"data.on_device={on_device}", f"output_dir={tmp_path / on_device}"]
-        run_cli(*args) if processes == 1 else launch(processes, *args)
+        launch(processes, *args)
     device_path, per_sample = (read_metrics(tmp_path / name, "train") for name in ("true", "false"))
     assert [line["step"] for line in device_path] == [line["step"] for line in per_sample] == [1, 2, 3]
     for a, b in zip(device_path, per_sample):

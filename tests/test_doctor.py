@@ -1,25 +1,42 @@
 """`accel-train doctor`: a node check a user runs before a long job; one line per problem, exit 1 if any."""
 
 import socket
+import subprocess
 
 import pytest
 
-from conftest import PROFILES, PYTHON, free_port, run_cli, run_nodes
+from conftest import PROFILES, PYTHON, free_port, run_nodes
 
 MULTI_NODE = ["--config_file", str(PROFILES / "multi_node.yaml")]
 
 
-def doctor(*args, env=None):
-    result = run_cli("doctor", *args, check=False, env={"GLOO_SOCKET_IFNAME": "", "NCCL_SOCKET_IFNAME": "", **(env or {})})
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
+@pytest.fixture
+def doctor(monkeypatch, capsys):
+    """`accel-train doctor ARGS` in this process (it reads flags, files and the environment, nothing a process
+    boundary changes), with NCCL/GLOO_SOCKET_IFNAME unset unless `env` sets them."""
+    from accel_train import cli
+
+    def run(*args, env=None):
+        for name, value in {"GLOO_SOCKET_IFNAME": "", "NCCL_SOCKET_IFNAME": "", **(env or {})}.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            cli.main(["doctor", *args])
+            code = 0
+        except SystemExit as stop:
+            code = stop.code or 0
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err, err
+        return subprocess.CompletedProcess(["accel-train", "doctor", *args], code, out, err)
+
+    return run
 
 
 def problems(result) -> list[str]:
     return [line for line in result.stdout.splitlines() if line.startswith("problem:")]
 
 
-def test_doctor_reports_devices_backend_mixed_precision_and_the_config_it_read():
+def test_doctor_reports_devices_backend_mixed_precision_and_the_config_it_read(doctor):
     result = doctor("--config_file", str(PROFILES / "multi_gpu.yaml"))
     assert result.returncode == 0 and result.stdout.strip().endswith("no problems found")
     lines = dict(line.split(None, 1) for line in result.stdout.splitlines() if not line.startswith("mixed"))
@@ -37,7 +54,7 @@ def listening_port():
         yield sock.getsockname()[1]
 
 
-def test_doctor_on_a_worker_node_finds_the_main_node_and_the_interface_that_routes_to_it(listening_port):
+def test_doctor_on_a_worker_node_finds_the_main_node_and_the_interface_that_routes_to_it(doctor, listening_port):
     result = doctor(*MULTI_NODE, "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
                     "--main_process_port", str(listening_port))
     assert result.returncode == 0, result.stdout
@@ -46,7 +63,7 @@ def test_doctor_on_a_worker_node_finds_the_main_node_and_the_interface_that_rout
     assert "export GLOO_SOCKET_IFNAME=lo" in result.stdout
 
 
-def test_doctor_names_each_problem_in_one_line_and_exits_nonzero():
+def test_doctor_names_each_problem_in_one_line_and_exits_nonzero(doctor):
     result = doctor(*MULTI_NODE, "--num_processes", "3", "--machine_rank", "2", "--main_process_ip", "127.0.0.1",
                     "--main_process_port", str(free_port()), "--mixed_precision", "fp8",
                     env={"GLOO_SOCKET_IFNAME": "nosuchif0"})
@@ -63,12 +80,12 @@ def test_doctor_names_each_problem_in_one_line_and_exits_nonzero():
     (["--machine_rank", "1", "--main_process_ip", "no-such-host.invalid"], "does not resolve on this node"),
     (["--machine_rank", "0", "--main_process_ip", "203.0.113.9"], "this is machine_rank 0 but main_process_ip"),
 ])
-def test_doctor_says_when_the_main_node_address_cannot_work(args, says):
+def test_doctor_says_when_the_main_node_address_cannot_work(doctor, args, says):
     result = doctor(*MULTI_NODE, "--main_process_port", str(free_port()), *args)
     assert result.returncode == 1 and any(says in problem for problem in problems(result)), result.stdout
 
 
-def test_doctor_on_the_main_node_refuses_a_port_already_in_use(listening_port):
+def test_doctor_on_the_main_node_refuses_a_port_already_in_use(doctor, listening_port):
     result = doctor(*MULTI_NODE, "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
                     "--main_process_port", str(listening_port))
     assert result.returncode == 1
@@ -99,9 +116,10 @@ def test_doctor_on_a_separate_host_names_the_interface_gloo_must_use(two_hosts):
     assert fixed.stdout.strip().endswith("no problems found")
 
 
-def test_doctor_reports_an_unusable_accelerate_config_in_one_line(tmp_path):
+def test_doctor_reports_an_unusable_accelerate_config_in_one_line(doctor, tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("num_processes: many\n")
     result = doctor("--config_file", str(broken))
     assert result.returncode == 1
-    assert problems(result) == [f"problem: accelerate config {broken}: num_processes='many' must be a whole number; fix it"]
+    assert problems(result) == [
+        f"problem: accelerate config {broken}: num_processes='many' must be a whole number; fix it"]

@@ -1,7 +1,9 @@
 """Every way a user launches accel-train trains and evaluates through it, with the numbers of one plain process.
 
-Each path trains the same seed and global batch (losses must match a plain single process) and evaluates
-one shared checkpoint (metrics must be identical). On a GPU-less machine the GPU profiles form a gloo
+Each path trains the same seed and global batch, and its run's own evaluation follows: the losses must match
+a plain single process (relative 1e-5) and the eval metrics too (identical correct count). The multi-machine
+and torchrun paths also run `accel-train eval` of one shared checkpoint (metrics identical); multi_gpu.yaml
+does so at 1, 2 and 3 processes in test_distributed.py. On a GPU-less machine the GPU profiles form a gloo
 group on the CPU; "nodes" are launches on 127.0.0.1 started together.
 """
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PROFILES, PYTHON, free_port, last_json_line, read_metrics, run_cli, run_nodes
+from conftest import PROFILES, PYTHON, free_port, last_json_line, read_metrics, run_nodes, train_in_process
 
 # 48 samples / global batch 24 = 2 steps per epoch; 101 eval samples split evenly across no 2 processes.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=101", "model.dropout=false",
@@ -59,7 +61,8 @@ def one_machine(*command) -> list:
 def config_default(tmp: Path) -> Path:
     path = tmp / "default_config.yaml"
     if not path.exists():
-        run_nodes([([PYTHON, "-m", "accelerate.commands.accelerate_cli", "config", "default", "--config_file", str(path)],
+        run_nodes([([PYTHON, "-m", "accelerate.commands.accelerate_cli", "config", "default", "--config_file",
+                     str(path)],
                     {})])
     return path
 
@@ -126,14 +129,24 @@ PATHS = {
 def reference(tmp_path_factory):
     """One plain process (`accel-train train`, no launcher): the losses and model every path must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    run_cli("train", *RUN, f"output_dir={out}")
+    train_in_process(*RUN, f"output_dir={out}")
     return out
+
+
+# Paths that also evaluate the shared checkpoint with `accel-train eval`.
+EVAL_THROUGH = {"multi_node.yaml, 2 machines", "torchrun --nproc_per_node 2", "torchrun --nnodes 2",
+                "SLURM sbatch, 2 nodes"}
+# Profiles that ask for fp16, which a CPU cannot do: training says so in one line and runs in fp32.
+FP16_PROFILES = {"multi_gpu.yaml --num_processes 2", "multi_node.yaml, 2 machines", "wizard multi-GPU file",
+                 "SLURM sbatch, 2 nodes"}
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_launch_path_trains_like_one_process_and_evaluates_a_checkpoint_identically(path, reference, tmp_path):
     world_size, nodes = PATHS[path]
-    check_path(path, world_size, nodes, reference, tmp_path)
+    first_node = check_path(path, world_size, nodes, reference, tmp_path, evaluate=path in EVAL_THROUGH)
+    warned = "fp16 mixed precision is unavailable on CPU; training in fp32" in first_node.stderr
+    assert warned == (path in FP16_PROFILES), first_node.stderr[-2000:]
 
 
 def test_two_hosts_in_network_namespaces_train_like_one_process_over_the_interface_doctor_names(
@@ -151,19 +164,22 @@ def test_two_hosts_in_network_namespaces_train_like_one_process_over_the_interfa
 
 
 def check_path(path, world_size, nodes, reference, tmp_path, evaluate=True):
+    """Train and evaluate through the path; returns the training run of its first node."""
     out = tmp_path / "run"
-    run_nodes([(command + ["train", *RUN, f"output_dir={out}"], env) for command, env in nodes(tmp_path)])
-    assert yaml.safe_load((out / "config.yaml").read_text())["run"]["world_size"] == world_size
+    trained_by = run_nodes([(command + ["train", *RUN, f"output_dir={out}"], env) for command, env in nodes(tmp_path)])
+    run = yaml.safe_load((out / "config.yaml").read_text())["run"]
+    assert (run["world_size"], run["mixed_precision"]) == (world_size, "no")
+    assert run["distributed_type"] == ("MULTI_CPU" if world_size > 1 else "NO")
     losses = [line["loss"] for line in read_metrics(out, "train")]
     expected = [line["loss"] for line in read_metrics(reference, "train")]
     assert len(losses) == STEPS and losses == pytest.approx(expected, rel=1e-5)
     trained, reference_eval = read_metrics(out, "eval")[-1], read_metrics(reference, "eval")[-1]
-    assert trained["correct"] == reference_eval["correct"]
+    assert (trained["num_samples"], trained["correct"]) == (101, reference_eval["correct"])
     assert trained["loss"] == pytest.approx(reference_eval["loss"], rel=1e-5)
     if not evaluate:
         print(f"\n{path}: world size {world_size}, step {STEPS}: train loss {losses[-1]:.6f}; eval of its own "
               f"weights: accuracy {trained['accuracy']:.4f} loss {trained['loss']:.6f}")
-        return
+        return trained_by[0]
 
     first_node = run_nodes([(command + ["eval", *RUN, f"checkpoint={reference}"], env)
                             for command, env in nodes(tmp_path)])[0]
@@ -172,6 +188,7 @@ def check_path(path, world_size, nodes, reference, tmp_path, evaluate=True):
     assert evaluated["loss"] == pytest.approx(reference_eval["loss"], rel=1e-6)
     print(f"\n{path}: world size {world_size}, step {STEPS}: train loss {losses[-1]:.6f}; eval of the shared "
           f"checkpoint: accuracy {evaluated['accuracy']:.4f} loss {evaluated['loss']:.6f}")
+    return trained_by[0]
 
 
 def test_slurm_script_derives_rank_main_node_and_port_from_slurm_variables(tmp_path):

@@ -4,8 +4,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from accel_train.distributed import tune_for_device
-from accel_train.models import BatchNormCNN
+from accel_train.models import BatchNormCNN, tune_for_device
 
 
 def test_compiled_channels_last_model_exports_the_same_weights_under_the_same_names(tmp_path):
@@ -14,7 +13,7 @@ def test_compiled_channels_last_model_exports_the_same_weights_under_the_same_na
     tuned = BatchNormCNN(10, (1, 28, 28))
     tuned.load_state_dict(plain.state_dict())
     accelerator = Accelerator(cpu=True)
-    tuned = accelerator.prepare(tune_for_device(tuned, accelerator, channels_last=True, compile=True))
+    tuned = accelerator.prepare(tune_for_device(tuned, accelerator.device, channels_last=True, compile=True))
     assert tuned.features[0].weight.is_contiguous(memory_format=torch.channels_last)
     accelerator.save_model(tuned, tmp_path)
     exported = load_file(str(tmp_path / "model.safetensors"))

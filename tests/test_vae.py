@@ -7,8 +7,16 @@ import pytest
 import torch
 from PIL import Image
 
-from accel_train.distributed import TEST_NONFINITE_ENV
-from conftest import last_json_line, launch, needs_fashion_mnist, read_metrics, run_cli
+from accel_train.checkpoint import list_checkpoints
+from conftest import (
+    PROBE,
+    last_json_line,
+    launch,
+    needs_fashion_mnist,
+    read_metrics,
+    run_probe,
+    train_in_process,
+)
 
 TERMS = {"loss", "reconstruction_loss", "kl"}
 # 97 samples in batches of 20: a ragged last batch that splits evenly across neither 2 nor 3 processes
@@ -20,7 +28,7 @@ TINY_RUN = [*SYNTHETIC, "train.batch_size=12", "train.log_every_steps=1"]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("vae")
-    run_cli("train", "mnist_vae", f"output_dir={out}", *TINY_RUN, "train.max_steps=3")
+    train_in_process("mnist_vae", f"output_dir={out}", *TINY_RUN, "train.max_steps=3")
     return out
 
 
@@ -31,7 +39,8 @@ def test_vae_logs_its_loss_terms_and_draws_pictures_after_each_evaluation(traine
         assert TERMS <= set(line) and all(math.isfinite(line[name]) for name in TERMS)
         assert line["loss"] == pytest.approx(line["reconstruction_loss"] + line["kl"], rel=1e-5)  # beta = 1
     assert eval_line["num_samples"] == 97
-    pairs, samples = trained / "images" / "reconstructions_step000003.png", trained / "images" / "samples_step000003.png"
+    pairs = trained / "images" / "reconstructions_step000003.png"
+    samples = trained / "images" / "samples_step000003.png"
     with Image.open(pairs) as image:
         image.load()
         # 16 of the first 20 eval images (whole rows of 8) above their reconstructions: 4 rows of 28 px + padding
@@ -41,7 +50,7 @@ def test_vae_logs_its_loss_terms_and_draws_pictures_after_each_evaluation(traine
         assert image.size == (8 * 30 + 2, 8 * 30 + 2)  # 64 draws from the prior
 
 
-@pytest.mark.parametrize("processes", [1, 2, 3])
+@pytest.mark.parametrize("processes", [2, 3])  # against the plain process's evaluation of the same weights
 def test_vae_eval_terms_are_identical_at_any_world_size(trained, processes):
     reference = read_metrics(trained, "eval")[-1]  # the same weights, evaluated by the plain 1-process run
     result = last_json_line(launch(processes, "eval", "mnist_vae", f"checkpoint={trained}", *SYNTHETIC).stdout)
@@ -50,13 +59,25 @@ def test_vae_eval_terms_are_identical_at_any_world_size(trained, processes):
         assert result[name] == pytest.approx(reference[name], rel=1e-6), name
 
 
-def test_nonfinite_loss_on_one_process_stops_every_process_at_that_step(trained, tmp_path, monkeypatch):
-    good_model = (trained / "model.safetensors").read_bytes()
-    (tmp_path / "model.safetensors").write_bytes(good_model)
-    monkeypatch.setenv(TEST_NONFINITE_ENV, "3:1")  # process 1 alone reports a NaN loss at step 3
+def saved_steps(out) -> list[int]:
+    return [meta["step"] for _, meta in list_checkpoints(out / "checkpoints")]
+
+
+def weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+# A checkpoint after every step: what was saved shows exactly where the run stopped.
+EVERY_STEP = ["checkpoint.every_steps=1", "checkpoint.keep_last=10"]
+
+
+def test_nonfinite_loss_on_one_process_stops_every_process_at_that_step(tmp_path):
+    # Process 1's loss turns NaN before backward: the NaN crosses the gradient all-reduce, as in life.
     started = time.monotonic()
-    result = launch(2, "train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, "train.epochs=3",
-                    timeout=120, check=False)
+    result = launch(2, "train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP, "train.epochs=3",
+                    script=PROBE, env={"PROBE_NONFINITE": "3:1"}, timeout=120, check=False)
     assert time.monotonic() - started < 60, "the processes did not stop together"
     assert result.returncode != 0
     reports = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
@@ -66,27 +87,39 @@ def test_nonfinite_loss_on_one_process_stops_every_process_at_that_step(trained,
     train_lines = read_metrics(tmp_path, "train")
     assert [line["step"] for line in train_lines] == [1, 2]  # terms averaged over both processes, then the stop
     assert all(TERMS <= set(line) for line in train_lines)
-    assert (tmp_path / "model.safetensors").read_bytes() == good_model
+    assert saved_steps(tmp_path) == [1, 2] and not (tmp_path / "model.safetensors").exists()
 
 
-def test_nonfinite_stop_exits_5_and_keeps_the_model_written_before(trained, tmp_path, monkeypatch):
-    good_model = (trained / "model.safetensors").read_bytes()
-    (tmp_path / "model.safetensors").write_bytes(good_model)
-    monkeypatch.setenv(TEST_NONFINITE_ENV, "2:0")
-    result = run_cli("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, check=False)
+def test_an_inf_gradient_with_a_finite_loss_stops_every_process_too(tmp_path):
+    result = launch(2, "train", "mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP, script=PROBE,
+                    env={"PROBE_NONFINITE": "2:1:grad"}, timeout=120, check=False)
+    assert result.returncode != 0
+    (report,) = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert "at step 2" in report and "process 1: loss=" in report and "process 1: loss=nan" not in report
+    assert "grad_norm=inf" in report or "grad_norm=nan" in report, report
+    assert saved_steps(tmp_path) == [1] and not (tmp_path / "model.safetensors").exists()
+
+
+def test_nonfinite_stop_exits_5_and_saves_nothing_after_the_step_before(tmp_path):
+    result = run_probe("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP,
+                       env={"PROBE_NONFINITE": "2:0"}, check=False)
     assert result.returncode == 5, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1].startswith("accel-train: error: non-finite loss or gradient norm at step 2")
-    assert (tmp_path / "model.safetensors").read_bytes() == good_model
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("accel-train: error: non-finite loss or gradient norm at step 2")
+    assert saved_steps(tmp_path) == [1] and not (tmp_path / "model.safetensors").exists()
 
 
-def test_on_nonfinite_skip_skips_that_step_and_trains_on(tmp_path, monkeypatch):
-    monkeypatch.setenv(TEST_NONFINITE_ENV, "2:0")
-    result = run_cli("train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, "train.max_steps=3",
-                     "train.on_nonfinite=skip")
-    assert result.stdout.count("step skipped on every process") == 1
+def test_on_nonfinite_skip_leaves_the_weights_of_the_skipped_step_untouched_and_trains_on(tmp_path):
+    result = run_probe("train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP, "train.max_steps=3",
+                       "train.on_nonfinite=skip", env={"PROBE_NONFINITE": "2:0"})
+    assert result.stderr.count("step skipped on every process") == 1
     lines = {line["step"]: line for line in read_metrics(tmp_path, "train")}
     assert "loss" not in lines[2]  # a skipped step contributes nothing to the averages
     assert math.isfinite(lines[3]["loss"]) and (tmp_path / "model.safetensors").is_file()
+    step = {meta["step"]: folder for folder, meta in list_checkpoints(tmp_path / "checkpoints")}
+    before, skipped, after = (weights(step[n]) for n in (1, 2, 3))
+    assert all(torch.equal(before[name], skipped[name]) for name in before)
+    assert any(not torch.equal(skipped[name], after[name]) for name in before)
 
 
 def test_clip_grad_norm_returns_the_norm_before_clipping_and_0_leaves_gradients_alone():
@@ -114,8 +147,8 @@ def test_vae_refuses_standardised_pixels_before_any_work():
 @needs_fashion_mnist
 def test_fashion_mnist_vae_beats_a_model_that_predicts_grey_for_every_pixel(tmp_path):
     out = tmp_path / "run"
-    run_cli("train", "fashion_mnist_vae", f"output_dir={out}", f"data.root={tmp_path / 'data'}",
-            "data.train_subset=1280", "data.eval_subset=500", "train.batch_size=64", "train.epochs=1")
+    train_in_process("fashion_mnist_vae", f"output_dir={out}", f"data.root={tmp_path / 'data'}",
+                     "data.train_subset=1280", "data.eval_subset=500", "train.batch_size=64", "train.epochs=1")
     (eval_line,) = read_metrics(out, "eval")
     grey = 28 * 28 * math.log(2)  # -log p(x) of any image under p = 0.5 per pixel, with kl = 0: 543 nats
     assert eval_line["loss"] < 0.85 * grey, eval_line  # 417 nats after these 20 steps; 526 untrained

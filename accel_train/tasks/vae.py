@@ -12,16 +12,18 @@ random state of each process and are the same at any world size.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from accel_train.config import Config, ModelConfig
 from accel_train.data import ImageData
-from accel_train.errors import UserError
-from accel_train.hooks import Hook, RunState
+from accel_train.errors import UserError, writing
+from accel_train.observers import Observer, Progress
 from accel_train.registry import Registry
-from accel_train.tasks import TASKS, Task
+from accel_train.tasks.base import TASKS, Task, WithComputeArgs
 
 VAE_MODELS: Registry[nn.Module] = Registry("VAE model", "model.name")
 TERMS = ("loss", "reconstruction_loss", "kl")
@@ -104,14 +106,13 @@ class VAETask(Task):
         return per_sample_terms(logits, images, mean, log_var, self.beta)
 
     def new_metric(self):
-        from accel_train.metrics import MeanValues
-        from accel_train.tasks import _WithArgs
+        from accel_train.metrics import MeanValues, in_memory
 
         self.pictures = None  # refilled from the first eval batch of this evaluation
-        return _WithArgs(MeanValues(TERMS, keep_in_memory=True))
+        return WithComputeArgs(in_memory(MeanValues, TERMS))
 
-    def hooks(self, config: Config) -> list[Hook]:
-        return [VAEPictures(self)]
+    def observers(self, config: Config) -> list[Observer]:
+        return [VAEPictures(self, config.output_dir)]
 
     def _pictures(self, model, images, logits) -> dict[str, torch.Tensor]:
         from accelerate.utils import extract_model_from_parallel
@@ -127,26 +128,27 @@ class VAETask(Task):
                 "samples": samples.cpu()}
 
 
-class VAEPictures(Hook):
+class VAEPictures(Observer):
     """After each evaluation: eval inputs above their reconstructions, and samples from the prior, as PNG."""
 
     columns = 8
 
-    def __init__(self, task: VAETask) -> None:
-        self.task = task
+    def __init__(self, task: VAETask, output_dir: str) -> None:
+        self.task, self.folder = task, Path(output_dir) / "images"
 
-    def on_eval(self, run: RunState, metrics: dict) -> None:
+    def on_eval(self, progress: Progress, metrics: dict) -> None:
         from torchvision.utils import save_image
 
         pictures = self.task.pictures
         if not pictures:
             return
         columns = min(self.columns, len(pictures["inputs"]))
-        folder = run.output_dir / "images"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_image(pairs_of_rows(pictures["inputs"], pictures["reconstructions"], columns),
-                   folder / f"reconstructions_step{run.step:06d}.png", nrow=columns, pad_value=1.0)
-        save_image(pictures["samples"], folder / f"samples_step{run.step:06d}.png", nrow=self.columns, pad_value=1.0)
+        with writing(self.folder, "drawing the VAE's pictures"):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_image(pairs_of_rows(pictures["inputs"], pictures["reconstructions"], columns),
+                       self.folder / f"reconstructions_step{progress.step:06d}.png", nrow=columns, pad_value=1.0)
+            save_image(pictures["samples"], self.folder / f"samples_step{progress.step:06d}.png", nrow=self.columns,
+                       pad_value=1.0)
 
 
 def pairs_of_rows(inputs: torch.Tensor, outputs: torch.Tensor, columns: int) -> torch.Tensor:

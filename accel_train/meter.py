@@ -1,0 +1,69 @@
+"""The train-line meter: loss terms summed on the device, read and averaged over processes only when a line is due."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from accelerate import Accelerator
+
+
+class TrainMeter:
+    """Per-process sums of the train terms since the last line, leaving out steps the guard skipped.
+
+    Its state (this process's sums) goes into every checkpoint, so the first line after a resume averages
+    the same steps, in the same order, as the uninterrupted run's line does.
+    """
+
+    def __init__(self, accelerator: Accelerator, global_batch: int) -> None:
+        self.accelerator, self.global_batch = accelerator, global_batch
+        self.names: list[str] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: torch.Tensor | None = None
+        self.counted = torch.zeros((), device=self.accelerator.device)  # steps in the sums (skipped ones are not)
+        self.steps, self.started = 0, time.perf_counter()  # every step since the clock started, for samples/s
+
+    def update(self, terms: dict[str, torch.Tensor], skipped: torch.Tensor) -> None:
+        if not self.names:
+            self.names = sorted(terms)
+        values = torch.stack([terms[name].detach().float() for name in self.names])
+        values = torch.where(skipped > 0, 0.0, values)  # not values * 0: a skipped NaN would still be NaN
+        self.sums = values if self.sums is None else self.sums + values
+        self.counted = self.counted + (skipped == 0)
+        self.steps += 1
+
+    @contextmanager
+    def paused(self):
+        """Time inside (evaluation, checkpoints) does not count towards samples_per_s."""
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - paused_at
+
+    def compute(self) -> dict[str, float]:
+        """Averages over all processes and the steps since the last line (a collective: one host read)."""
+        logs = {}
+        if self.sums is not None:
+            means = self.accelerator.reduce(self.sums / self.counted, reduction="mean")
+            *values, counted = torch.cat([means, self.counted.reshape(1)]).tolist()
+            if counted:  # every step since the last line may have been skipped (train.on_nonfinite=skip)
+                logs = dict(zip(self.names, values))
+        elapsed = time.perf_counter() - self.started
+        logs["samples_per_s"] = self.steps * self.global_batch / elapsed if elapsed > 0 else float("nan")
+        self._reset()
+        return logs
+
+    def state_dict(self) -> dict:
+        """This process's partial sums (a host read: called at checkpoints only)."""
+        sums = self.sums.tolist() if self.sums is not None else None
+        return {"names": self.names, "sums": sums, "counted": float(self.counted)}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.accelerator.device
+        self.names = list(state["names"])
+        self.sums = None if state["sums"] is None else torch.tensor(state["sums"], dtype=torch.float32, device=device)
+        self.counted = torch.tensor(float(state["counted"]), device=device)

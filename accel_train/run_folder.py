@@ -1,0 +1,99 @@
+"""The run folder (output_dir): checked before any work, and one owner of its config.yaml and metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from accel_train.checkpoint import ResumePoint, checkpoints_dir
+from accel_train.config import Config, save_config
+from accel_train.errors import UserError, storage_error, writing
+from accel_train.observers import Observer, Progress
+
+CONFIG_FILE, METRICS_FILE, MODEL_FILE = "config.yaml", "metrics.jsonl", "model.safetensors"
+
+
+def check_output_dir(config: Config) -> None:
+    """Before any data loads: output_dir is a folder this process can write, and a run's results already there
+    are continued (resume=auto), never silently overwritten (HF Trainer refuses a non-empty output_dir too)."""
+    folder = Path(config.output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"output_dir={config.output_dir} is a file, not a folder; pass a folder for the run's results")
+    unwritable = "choose an output_dir you can write"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"output_dir={config.output_dir}: a part of this path is a file, not a folder") from None
+    except OSError as err:
+        raise storage_error(folder, "creating output_dir", err, unwritable) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise storage_error(folder, "creating output_dir", PermissionError(13, "Permission denied"), unwritable)
+    continues = config.resume == "auto" or (
+        config.resume is not None and Path(config.resume).resolve().parent == checkpoints_dir(folder).resolve())
+    held = held_results(folder)
+    if held and not continues:
+        how = "add resume=auto to continue it" if config.resume is None else \
+            f"resume={config.resume} is not one of its checkpoints, so its results would be overwritten"
+        raise UserError(f"output_dir={config.output_dir} already holds a run ({', '.join(held)}): {how}, or pass a "
+                        "new output_dir (delete this one to start over)")
+
+
+def held_results(folder: Path) -> list[str]:
+    """What of a run's results `folder` holds."""
+    held = [name for name in (CONFIG_FILE, METRICS_FILE, MODEL_FILE) if (folder / name).exists()]
+    checkpoints = checkpoints_dir(folder)
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        held.append("checkpoints/")
+    return held
+
+
+def lines_up_to(lines: list[str], point: ResumePoint) -> list[str]:
+    """The lines of metrics.jsonl that a checkpoint had seen: up to its step, with that step's eval line only if
+    the checkpoint followed the evaluation. A line cut short by a crash ends the file there."""
+    kept = []
+    for text in lines:
+        try:
+            line = json.loads(text)
+        except ValueError:
+            break
+        after_the_save = line["step"] == point.step and line["split"] != "train" and not point.evaluated
+        if line["step"] > point.step or after_the_save:
+            break
+        kept.append(text if text.endswith("\n") else text + "\n")
+    return kept
+
+
+class RunFolder(Observer):
+    """config.yaml (the resolved config and how the run was launched) and metrics.jsonl, on the main process.
+
+    A run resumed from one of its own checkpoints keeps the lines that checkpoint had seen and appends, so
+    metrics.jsonl reads as if the run had never stopped (lines the run that died wrote after it are dropped).
+    """
+
+    def __init__(self, config: Config, launch_info: dict, start: ResumePoint) -> None:
+        self.config, self.launch_info, self.start = config, launch_info, start
+        self.folder = Path(config.output_dir)
+
+    def on_train_start(self, progress: Progress) -> None:
+        path = self.folder / METRICS_FILE
+        with writing(self.folder, "writing config.yaml and metrics.jsonl"):
+            save_config(self.config, self.folder / CONFIG_FILE, self.launch_info)
+            if self.start.in_output_dir and path.is_file():
+                path.write_text("".join(lines_up_to(path.read_text().splitlines(keepends=True), self.start)))
+                self.metrics = open(path, "a", buffering=1)
+            else:
+                self.metrics = open(path, "w", buffering=1)
+
+    def on_log(self, progress: Progress, logs: dict) -> None:
+        self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs})
+
+    def on_eval(self, progress: Progress, metrics: dict) -> None:
+        self._write({"split": "eval", "epoch": progress.epoch, "step": progress.step, **metrics})
+
+    def on_train_end(self, progress: Progress) -> None:
+        self.metrics.close()
+
+    def _write(self, line: dict) -> None:
+        with writing(self.metrics.name, "writing metrics.jsonl"):
+            self.metrics.write(json.dumps(line) + "\n")

@@ -1,0 +1,7 @@
+"""Tasks by name: a Task owns what differs between workloads (model, forward + loss, metrics), so every workload
+shares one loop. Each module here registers its tasks on import."""
+
+from accel_train.tasks import classification, vae  # noqa: F401  (registration)
+from accel_train.tasks.base import TASKS, Task
+
+__all__ = ["TASKS", "Task"]

@@ -1,0 +1,161 @@
+"""Contracts of the loop's step boundaries, checked in-process (fast): when the host reads the device, when a
+checkpoint is saved, where a resumed run continues, what of metrics.jsonl it keeps."""
+
+import json
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from accel_train.checkpoint import Checkpoints, ResumePoint, resume_position
+from accel_train.config import load_config
+from accel_train.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
+from accel_train.run_folder import lines_up_to
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+# Samplers draw batch indices on the host by design (a CPU generator, never a device value).
+HOST_BY_DESIGN = ("torch/utils/data/", "accelerate/data_loader.py")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts host reads of tensor values per optimizer step; evaluation is counted apart (it may read)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from accel_train import loop
+
+    where = {"step": 0, "evaluating": False}
+    reads = Counter()
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if not any(part in caller for part in HOST_BY_DESIGN):
+                reads["eval" if where["evaluating"] else where["step"]] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    scheduler_step = LambdaLR.step
+
+    def step(self, *args, **kwargs):  # the prepared scheduler steps once per optimizer step
+        where["step"] += 1 if getattr(self, "_counting", False) else 0
+        return scheduler_step(self, *args, **kwargs)
+
+    build_scheduler = loop.build_scheduler
+
+    def counting_scheduler(*args, **kwargs):
+        scheduler = build_scheduler(*args, **kwargs)
+        scheduler._counting = True
+        return scheduler
+
+    evaluate = loop.evaluate
+
+    def evaluating(*args, **kwargs):
+        where["evaluating"] = True
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            where["evaluating"] = False
+
+    monkeypatch.setattr(LambdaLR, "step", step)
+    monkeypatch.setattr(loop, "build_scheduler", counting_scheduler)
+    monkeypatch.setattr(loop, "evaluate", evaluating)
+    return reads
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_reads, tmp_path, policy):
+    from accel_train import loop
+
+    # 10 steps per epoch: an epoch end (evaluation follows) at step 10, which is not a log step
+    config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=120", "data.eval_subset=20",
+                                       "train.batch_size=12", "train.max_steps=17", "train.log_every_steps=4",
+                                       "train.progress_bar=false", "checkpoint.at_epoch_end=false",
+                                       f"train.on_nonfinite={policy}", "train.clip_grad_norm=1.0",
+                                       f"output_dir={tmp_path}"])
+    host_reads.clear()
+    loop.train(config)
+    log_steps, epoch_ends = {4, 8, 12, 16, 17}, {10, 17}
+    per_step = {step: count for step, count in host_reads.items() if step != "eval" and step > 0}
+    assert set(per_step) <= log_steps | epoch_ends, f"host reads outside log steps and epoch ends: {per_step}"
+    # A log step: one read for the guard's decision, one for the averaged train terms; an epoch end: the decision.
+    assert all(count <= (2 if step in log_steps else 1) for step, count in per_step.items()), per_step
+    assert host_reads["eval"] > 0  # the counter works: evaluation reads its metrics
+
+
+def config_with(**checkpoint) -> Checkpoints:
+    overrides = [f"checkpoint.{key}={value}" for key, value in checkpoint.items()]
+    return Checkpoints(load_config("mnist_cnn", overrides), accelerator=None)  # scheduling needs no processes
+
+
+def test_saves_fall_every_n_steps_and_after_each_epochs_evaluation():
+    every_4 = config_with(every_steps=4, at_epoch_end="false")
+    assert [step for step in range(1, 13) if every_4.due(step)] == [4, 8, 12]
+    assert not every_4.due_after_eval(10, last=False)  # an epoch end that every_steps does not hit
+    assert every_4.due_after_eval(12, last=False)  # one that it hits
+    assert every_4.due_after_eval(29, last=True)  # the run's end, whatever the step
+    at_epoch_end = config_with(at_epoch_end="true")
+    assert not any(at_epoch_end.due(step) for step in range(1, 50))
+    assert at_epoch_end.due_after_eval(7, last=False)
+    never = config_with(at_epoch_end="false")
+    assert not never.due_after_eval(10, last=True) and not any(never.due(step) for step in range(1, 50))
+
+
+@pytest.mark.parametrize("meta, position", [
+    ({"epoch": 1, "batches_done_in_epoch": 4, "steps_per_epoch": 10, "evaluated": False}, (1, 4)),  # mid-epoch
+    ({"epoch": 1, "batches_done_in_epoch": 10, "steps_per_epoch": 10, "evaluated": True}, (2, 0)),  # epoch done
+    # saved at an epoch's last step before its evaluation (a signal there): that epoch's evaluation still runs
+    ({"epoch": 1, "batches_done_in_epoch": 10, "steps_per_epoch": 10, "evaluated": False}, (1, 10)),
+    ({"epoch": 0, "batches_done_in_epoch": 3, "steps_per_epoch": 10, "evaluated": True}, (0, 3)),  # max_steps end
+])
+def test_resume_continues_at_the_batch_after_the_checkpoint(meta, position):
+    assert resume_position(meta) == position
+
+
+def metrics_lines(*lines) -> list[str]:
+    return [json.dumps({"split": split, "step": step}) + "\n" for split, step in lines]
+
+
+def test_a_resumed_metrics_file_keeps_the_lines_its_checkpoint_had_seen():
+    written = metrics_lines(("train", 4), ("train", 8), ("eval", 10), ("train", 12), ("eval", 12), ("train", 16))
+    assert lines_up_to(written, ResumePoint(step=10, evaluated=True)) == written[:3]
+    assert lines_up_to(written, ResumePoint(step=10, evaluated=False)) == written[:2]  # its eval came after the save
+    assert lines_up_to(written, ResumePoint(step=12, evaluated=False)) == written[:4]
+    assert lines_up_to(written, ResumePoint(step=9)) == written[:2]
+    cut_short = [*written[:2], '{"split": "tra']  # the run that died was writing a line
+    assert lines_up_to(cut_short, ResumePoint(step=30)) == written[:2]
+    no_newline = written[0].rstrip("\n")
+    assert lines_up_to([no_newline], ResumePoint(step=30)) == [written[0]]
+
+
+def test_processes_agree_on_a_stop_signal_about_every_two_seconds_of_steps():
+    assert steps_between_checks(0.0) == 1  # no timing yet: agree again at the next step
+    assert steps_between_checks(0.5) == 4
+    assert steps_between_checks(0.01) == 200
+    assert steps_between_checks(30.0) == 1  # a slow step is never skipped over
+    assert steps_between_checks(1e-9) == MAX_STEPS_BETWEEN_CHECKS
+
+
+def test_the_train_meter_state_round_trips_bit_for_bit():
+    from accelerate import Accelerator
+
+    from accel_train.meter import TrainMeter
+
+    accelerator = Accelerator(cpu=True)
+    meter = TrainMeter(accelerator, global_batch=8)
+    for value in (0.1, 0.7, 1 / 3):
+        meter.update({"loss": torch.tensor(value), "kl": torch.tensor(2 * value)}, skipped=torch.tensor(0.0))
+    meter.update({"loss": torch.tensor(float("nan")), "kl": torch.tensor(1.0)}, skipped=torch.tensor(1.0))
+    state = json.loads(json.dumps(meter.state_dict()))  # as the checkpoint stores it
+    restored = TrainMeter(accelerator, global_batch=8)
+    restored.load_state_dict(state)
+    for m in (meter, restored):
+        m.update({"loss": torch.tensor(0.25), "kl": torch.tensor(0.5)}, skipped=torch.tensor(0.0))
+    ours, theirs = meter.compute(), restored.compute()
+    assert (ours["loss"], ours["kl"]) == (theirs["loss"], theirs["kl"])
+    assert ours["loss"] == pytest.approx((0.1 + 0.7 + 1 / 3 + 0.25) / 4)  # the skipped NaN step is left out
