@@ -31,7 +31,7 @@ from accel_train.distributed import make_accelerator, plain_process_env
 from accel_train.errors import UserError
 from accel_train.models import tune_for_device
 from accel_train.optim import build_optimizer, build_scheduler
-from accel_train.tasks import TASKS
+from accel_train.tasks import task_named
 
 TARGETS = {"overhead_ratio": 0.98, "input_pipeline_ratio": 20.0, "cli_help_s": 1.0}
 PROFILE = Path(__file__).resolve().parents[1] / "accelerate_configs" / "multi_gpu.yaml"
@@ -132,7 +132,8 @@ def plain_loop(config: Config) -> float:
     device = accelerator.device
     set_seed(config.seed)
     data = build_dataset(config.data, train=True)
-    task = TASKS.get(config.task)()
+    task = task_named(config.task)
+    task.setup(config, data)
     model = tune_for_device(task.build_model(config, data), device, config.train.channels_last,
                             config.train.compile).to(device)
     optimizer = build_optimizer(config.train, model)
@@ -278,7 +279,9 @@ def flops(config: Config, samples_per_s: float, peak_tflops: float | None, quick
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = build_dataset(config.data, train=True)
-    model = TASKS.get(config.task)().build_model(config, data).to(device)
+    task = task_named(config.task)
+    task.setup(config, data)
+    model = task.build_model(config, data).to(device)
     batch = min(config.train.batch_size, len(data.dataset))
     images, labels = data.dataset.to(device).__getitems__(list(range(batch)))
     with FlopCounterMode(display=False) as counter:

@@ -11,6 +11,8 @@ from accel_train.errors import Preempted, UserError
 USAGE = """\
 accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a shipped name or a YAML file
 accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate exported weights (a run's output_dir)
+accel-train predict RECIPE checkpoint=RUN input=PATH [output=FILE] [predict.top_k=K ...]
+                                                         top labels of image files (file, folder or glob) as CSV
 accel-train recipes                                      list shipped recipes
 accel-train keys                                         list every config key with its meaning
 accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
@@ -25,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-train", description="Train PyTorch models on 1 GPU, N GPUs or N "
                                      "machines with one code path (Hugging Face Accelerate).", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text in (("train", "train a recipe"), ("eval", "evaluate a run's exported model")):
+    for name, text in (("train", "train a recipe"), ("eval", "evaluate a run's exported model"),
+                       ("predict", "the top labels of image files, as CSV")):
         command = commands.add_parser(name, help=text)
         command.add_argument("recipe", help="shipped recipe name (see `accel-train recipes`) or path to a YAML file")
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -100,13 +103,7 @@ def _run(args: argparse.Namespace) -> None:
 
         run_bench(recipe, overrides, args.quick, args.processes, args.peak_tflops, args.steps)
         return
-    checkpoint = None
-    if args.command == "eval":
-        given = [o for o in overrides if o.startswith("checkpoint=")]
-        if not given:
-            raise UserError("eval needs checkpoint=PATH (a run's output_dir or its model.safetensors)")
-        checkpoint = given[-1].partition("=")[2]
-        overrides = [o for o in overrides if not o.startswith("checkpoint=")]
+    given, overrides = _arguments(overrides, COMMAND_ARGUMENTS.get(args.command, {}), args.command)
     config = load_config(args.recipe, overrides)
     if args.command == "train":  # the run folder and resume=PATH answer before torch loads, as config mistakes do
         from accel_train.checkpoint import check_resume
@@ -115,13 +112,38 @@ def _run(args: argparse.Namespace) -> None:
         check_output_dir(config)
         check_resume(config)
 
-    from accel_train import loop  # imports torch: only now that the config is known to be valid
+    from accel_train import api  # imports torch: only now that the config is known to be valid
+    from accel_train.distributed import is_reporting_process
 
     if args.command == "train":
-        loop.train(config)
-    else:
-        metrics = loop.evaluate_checkpoint(config, checkpoint)
-        from accel_train.distributed import is_reporting_process
-
+        api.train(config)
+    elif args.command == "eval":
+        metrics = api.evaluate(config, given["checkpoint"])
         if is_reporting_process():
             print(json.dumps(metrics), flush=True)
+    else:
+        output = given.get("output", "predictions.csv")
+        rows = api.predict(config, given["checkpoint"], given["input"], output=output)
+        if is_reporting_process():
+            print(f"predicted {len(rows)} file(s): {output}", flush=True)
+
+
+# Arguments a command takes as NAME=VALUE beside the config overrides: name -> what it is (None: optional).
+COMMAND_ARGUMENTS = {
+    "eval": {"checkpoint": "checkpoint=PATH (a run's output_dir, a checkpoint folder or a model.safetensors)"},
+    "predict": {"checkpoint": "checkpoint=RUN (the output_dir of a training run)",
+                "input": "input=PATH (an image file, a folder or a glob)", "output": None},
+}
+
+
+def _arguments(overrides: list[str], names: dict, command: str) -> tuple[dict[str, str], list[str]]:
+    """Split NAME=VALUE command arguments (checkpoint=, input=, output=) from the config overrides."""
+    given = {}
+    for override in overrides:
+        name, sep, value = override.partition("=")
+        if sep and name in names:
+            given[name] = value
+    missing = [text for name, text in names.items() if text and name not in given]
+    if missing:
+        raise UserError(f"{command} needs {' and '.join(missing)}")
+    return given, [o for o in overrides if o.partition("=")[0] not in names]

@@ -5,6 +5,7 @@ Kept free of torch imports so `accel-train --help` and config errors answer inst
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -15,6 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from accel_train.errors import UserError
+from accel_train.imports import add_search_dir
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -26,8 +28,12 @@ def doc(text: str, **kwargs: Any) -> Any:
 
 @dataclass
 class DataConfig:
-    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder",
+    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder; or an import path "
+                    "module:function returning a torch Dataset (called with train=True/False and data.args)",
                     default="fashion_mnist")
+    args: dict[str, Any] = doc("keyword arguments for a dataset given by import path", default_factory=dict)
+    num_classes: int | None = doc("classes of a dataset given by import path (unset: len(dataset.classes))",
+                                  default=None)
     root: str = doc("folder holding (or receiving) the dataset files", default="data")
     train_subset: int | None = doc("train on the first N samples only (same N at any world size)", default=None)
     eval_subset: int | None = doc("evaluate on the first N samples only (same N at any world size)", default=None)
@@ -46,7 +52,10 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = doc("mnist_cnn, bn_cnn, or any torchvision classification model name (resnet18, vgg16, ...); "
-                    "conv_vae for task=vae", default="mnist_cnn")
+                    "conv_vae for task=vae; or an import path module:Attr (a class or function returning an "
+                    "nn.Module, called with num_classes and image_shape where it takes them, and model.args)",
+                    default="mnist_cnn")
+    args: dict[str, Any] = doc("keyword arguments for a model given by import path", default_factory=dict)
     dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
     sync_batchnorm: bool = doc("synchronise BatchNorm statistics across GPUs", default=False)
     latent_size: int = doc("VAE: dimensions of the latent code z", default=16)
@@ -94,9 +103,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class PredictConfig:
+    top_k: int = doc("labels, each with its score, written per input file by accel-train predict", default=1)
+    batch_size: int = doc("inputs per process in each forward pass of predict: the same at any world size, so the "
+                          "scores are too", default=32)
+
+
+@dataclass
 class Config:
     description: str = doc("one line shown by `accel-train recipes`", default="")
-    task: str = doc("what the model learns: classification, vae", default="classification")
+    task: str = doc("what the model learns: classification, vae, or an import path module:Class (a subclass of "
+                    "accel_train.Task)", default="classification")
     seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
     output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model",
                           default="runs/default")
@@ -104,6 +121,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
     resume: str | None = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
                                 "or the path of a checkpoint folder", default=None)
 
@@ -115,7 +133,8 @@ _POSITIVE = {
     "data.train_subset", "data.eval_subset", "data.image_size", "train.epochs", "train.max_steps",
     "train.batch_size", "train.eval_batch_size", "train.lr", "train.lr_step_epochs", "train.log_every_steps",
     "model.latent_size", "model.hidden_size",
-    "train.collective_timeout_s", "checkpoint.every_steps", "checkpoint.keep_last",
+    "train.collective_timeout_s", "checkpoint.every_steps", "checkpoint.keep_last", "data.num_classes",
+    "predict.top_k", "predict.batch_size",
 }
 _NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma",
                  "train.clip_grad_norm", "model.beta"}
@@ -129,10 +148,12 @@ def list_recipes() -> dict[str, str]:
     }
 
 
-def load_config(recipe: str, overrides: list[str] = ()) -> Config:
-    """Resolve RECIPE (a shipped name or a YAML path), apply `key=value` overrides, validate."""
-    tree = _read_recipe(recipe)
-    config = _build(Config, tree, prefix="")
+def load_config(recipe: str | Config, overrides: list[str] = ()) -> Config:
+    """Resolve RECIPE (a shipped name, a YAML path, or a Config to copy), apply `key=value` overrides, validate."""
+    if isinstance(recipe, Config):
+        config = copy.deepcopy(recipe)
+    else:
+        config = _build(Config, _read_recipe(recipe), prefix="")
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
@@ -147,7 +168,9 @@ def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:
     if path.is_dir():
         raise UserError(f"recipe {recipe} is a folder; pass a YAML file or a shipped recipe name "
                         f"({', '.join(list_recipes())})")
-    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        add_search_dir(path.parent)  # import paths in it find the modules beside it
+    else:
         path = RECIPES_DIR / f"{recipe}.yaml"
         if not path.is_file():
             raise UserError(f"unknown recipe '{recipe}': not a YAML file; shipped recipes are "
@@ -202,19 +225,32 @@ def _build(cls: type, tree: dict, prefix: str) -> Any:
 
 
 def _set(config: Config, dotted: str, raw: str) -> None:
-    *parents, leaf = dotted.split(".")
+    """Set `section.key=value`; `section.mapping.name=value` sets one entry of a mapping (model.args.depth=3)."""
+    parts = dotted.split(".")
     node, prefix = config, ""
-    for part in parents:
-        if part not in _fields(type(node)) or not dataclasses.is_dataclass(getattr(node, part)):
+    for index, part in enumerate(parts):
+        hints, rest = _hints(type(node)), parts[index + 1:]
+        if part not in hints:
             raise UserError(_unknown_key(prefix + part, type(node)))
-        node, prefix = getattr(node, part), prefix + part + "."
-    hints = _hints(type(node))
-    if leaf not in hints:
-        raise UserError(_unknown_key(dotted, type(node)))
-    if dataclasses.is_dataclass(hints[leaf]):
-        sub = ", ".join(f"{dotted}.{name}" for name in _fields(hints[leaf]))
-        raise UserError(f"'{dotted}' is a section, not a value; set one of its keys: {sub}")
-    setattr(node, leaf, _coerce(dotted, hints[leaf], raw, from_text=True))
+        key, hint = prefix + part, hints[part]
+        if dataclasses.is_dataclass(hint):
+            if not rest:
+                sub = ", ".join(f"{key}.{name}" for name in _fields(hint))
+                raise UserError(f"'{key}' is a section, not a value; set one of its keys: {sub}")
+            node, prefix = getattr(node, part), key + "."
+            continue
+        if rest and _is_mapping(hint):
+            entries = getattr(node, part)
+            for name in rest[:-1]:
+                entries = entries.setdefault(name, {})
+                if not isinstance(entries, dict):
+                    raise UserError(f"{dotted}: {key} has a value, not a mapping, at '{name}'")
+            entries[rest[-1]] = _yaml_value(dotted, raw)
+            return
+        if rest:
+            raise UserError(f"unknown config key '{dotted}': '{key}' is a value, not a section")
+        setattr(node, part, _coerce(key, hint, raw, from_text=True))
+        return
 
 
 def _unknown_key(key: str, cls: type) -> str:
@@ -231,6 +267,18 @@ def _is_union(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
+def _is_mapping(hint: Any) -> bool:
+    return hint is dict or typing.get_origin(hint) is dict
+
+
+def _yaml_value(key: str, raw: str) -> Any:
+    """A command-line value read as YAML: 3 -> int, 0.5 -> float, true -> bool, [1, 2] -> list, text -> str."""
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise UserError(f"{key}: '{raw}' is not a valid value ({str(err).splitlines()[0]})") from None
+
+
 def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
     """Check `value` against the field's type; text from the command line is parsed first."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -239,6 +287,11 @@ def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
             return None
         (hint,) = [a for a in args if a is not type(None)]
         origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if _is_mapping(hint):
+        value = _yaml_value(key, value) if from_text else value
+        if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
+            raise UserError(f"{key}: expected a mapping of names to values, e.g. {key}={{depth: 3}}, got {value!r}")
+        return dict(value)
     if origin is Literal:
         text = str(value)
         if text not in args:
@@ -271,10 +324,10 @@ def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
 
 
 def _check_ranges(config: Config) -> None:
-    for section in ("data", "model", "train", "checkpoint"):
+    for section in ("data", "model", "train", "checkpoint", "predict"):
         for name, value in dataclasses.asdict(getattr(config, section)).items():
             key = f"{section}.{name}"
-            if value is None:
+            if value is None or isinstance(value, dict):
                 continue
             if key in _POSITIVE and value <= 0:
                 raise UserError(f"{key}: must be greater than 0, got {value}")
@@ -289,6 +342,8 @@ def _type_name(hint: Any) -> str:
         return "|".join(args)
     if _is_union(hint):
         return "|".join(_type_name(a) if a is not type(None) else "null" for a in args)
+    if _is_mapping(hint):
+        return "mapping"
     return hint.__name__
 
 
@@ -302,7 +357,8 @@ def describe_keys() -> list[tuple[str, str, str, Any]]:
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name], prefix + f.name + ".")
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else None
+            default = f.default if f.default is not dataclasses.MISSING else \
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None
             type_name = _type_name(hints[f.name])
             rows.append((prefix + f.name, type_name, f.metadata.get("help", ""), default))
 

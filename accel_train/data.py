@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
+from accel_train.imports import check_call, import_object, is_given_object, is_import_path
 from accel_train.registry import Registry
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -32,17 +34,21 @@ SYNTHETIC_TRAIN_SIZE, SYNTHETIC_EVAL_SIZE = 512, 256
 
 
 @dataclass
-class ImageData:
-    dataset: Dataset
-    num_classes: int
-    image_shape: tuple[int, int, int]  # (C, H, W) as served to the model
+class Data:
+    """A dataset and what a model needs to know about it; what a Task's setup and build_model receive."""
+
+    dataset: Dataset | None  # None where only the description is needed (predict)
+    num_classes: int | None  # None for data without classes (a regression target)
+    image_shape: tuple[int, ...]  # the shape of one input sample as the model sees it: (C, H, W) for images
+    classes: list[str] | None = None  # class names in index order
+    example: Any = None  # a user's dataset's first sample, for the task to check; None for the registry's
 
     @property
     def in_memory(self) -> bool:
         return isinstance(self.dataset, InMemoryImages)
 
 
-DATASETS: Registry[ImageData] = Registry("dataset", "data.name")
+DATASETS: Registry[Data] = Registry("dataset", "data.name")
 
 
 class InMemoryImages(Dataset):
@@ -86,12 +92,16 @@ class InMemoryImages(Dataset):
         images = self.images[index]
         if self.augment:  # on uint8: a quarter of the memory traffic of augmenting floats, same result
             images = random_crop_flip(images, pad_for(images.shape[-1]), sample_keys(index, self.epoch, self.seed))
-        # The same operations, in the same order, as ToTensor + Normalize: bit-identical inputs either way.
-        images = images.float().div_(255)
-        if self.size and images.shape[-1] != self.size:
-            images = F.interpolate(images, size=(self.size, self.size), mode="bilinear", antialias=True,
-                                   align_corners=False)
-        return images.sub_(self.mean).div_(self.std), self.labels[index]
+        return to_model_input(images, self.size, self.mean, self.std), self.labels[index]
+
+
+def to_model_input(images: torch.Tensor, size: int | None, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 NCHW images -> the float batch the model sees. The same operations, in the same order, as ToTensor
+    (+ Resize) + Normalize: bit-identical inputs either way."""
+    images = images.float().div_(255)
+    if size and images.shape[-1] != size:
+        images = F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return images.sub_(mean).div_(std)
 
 
 def pad_for(side: int) -> int:
@@ -263,19 +273,26 @@ def _synthetic_tensors(cfg: DataConfig, shape, num_classes: int, train: bool):
     return torch.stack(images), torch.tensor(labels)
 
 
-def _in_memory(cfg: DataConfig, name: str, train: bool) -> ImageData:
+def _in_memory(cfg: DataConfig, name: str, train: bool) -> Data:
     source = SOURCES[name]
     if cfg.synthetic:
         images, labels = _synthetic_tensors(cfg, source.shape, source.num_classes, train)
+        classes = [str(index) for index in range(source.num_classes)]
     else:
-        images, labels = source.to_tensors(_find_torchvision(cfg, name, source, train))
+        found = _find_torchvision(cfg, name, source, train)
+        images, labels = source.to_tensors(found)
+        classes = [str(name) for name in found.classes]
     limit = cfg.train_subset if train else cfg.eval_subset
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     size = cfg.image_size or source.shape[-1]
-    mean, std = (source.mean, source.std) if cfg.normalize else ((0.0,) * len(source.mean), (1.0,) * len(source.std))
+    mean, std = _normalization(cfg, source)
     dataset = InMemoryImages(images, labels, mean, std, augment=train and cfg.augment, size=size)
-    return ImageData(dataset, source.num_classes, (source.shape[0], size, size))
+    return Data(dataset, source.num_classes, (source.shape[0], size, size), classes)
+
+
+def _normalization(cfg: DataConfig, source: TorchvisionSource) -> tuple[tuple, tuple]:
+    return (source.mean, source.std) if cfg.normalize else ((0.0,) * len(source.mean), (1.0,) * len(source.std))
 
 
 for _name in SOURCES:
@@ -283,20 +300,14 @@ for _name in SOURCES:
 
 
 @DATASETS.register("imagefolder")
-def imagefolder(cfg: DataConfig, train: bool) -> ImageData:
+def imagefolder(cfg: DataConfig, train: bool) -> Data:
     """The user's own data: data.root/train/<class>/*.jpg and data.root/val/<class>/*.jpg."""
     size = cfg.image_size or 224
-    if train:
-        transform = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
-                               if cfg.augment else [v2.Resize(size, antialias=True), v2.CenterCrop(size)])
-    else:
-        transform = v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
-    normalize = [v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)] if cfg.normalize else []
-    transform = v2.Compose([v2.PILToTensor(), v2.RGB(), transform, v2.ToDtype(torch.float32, scale=True), *normalize])
+    transform = _imagefolder_transform(cfg, train)
     if cfg.synthetic:
         count = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
         dataset = torchvision.datasets.FakeData(count, image_size=(3, size, size), num_classes=10, transform=transform)
-        return ImageData(dataset, 10, (3, size, size))
+        return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)])
     root = Path(cfg.root)
     _imagefolder_split(root, not train)  # report a missing train or val folder before reading either
     split_dir = _imagefolder_split(root, train)
@@ -304,11 +315,22 @@ def imagefolder(cfg: DataConfig, train: bool) -> ImageData:
         dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=load_image)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
-    num_classes = len(dataset.classes)
+    classes = list(dataset.classes)
     limit = cfg.train_subset if train else cfg.eval_subset
     if limit is not None:
         dataset = Subset(dataset, range(min(limit, len(dataset))))
-    return ImageData(dataset, num_classes, (3, size, size))
+    return Data(dataset, len(classes), (3, size, size), classes)
+
+
+def _imagefolder_transform(cfg: DataConfig, train: bool) -> v2.Compose:
+    size = cfg.image_size or 224
+    if train:
+        transform = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
+                               if cfg.augment else [v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+    else:
+        transform = v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
+    normalize = [v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)] if cfg.normalize else []
+    return v2.Compose([v2.PILToTensor(), v2.RGB(), transform, v2.ToDtype(torch.float32, scale=True), *normalize])
 
 
 def load_image(path: str) -> Image.Image:
@@ -330,8 +352,70 @@ def _imagefolder_split(root: Path, train: bool) -> Path:
     )
 
 
-def build_dataset(cfg: DataConfig, train: bool) -> ImageData:
+def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None) -> Data:
+    """The dataset data.name names (one of the registry, or the user's by import path), or the one `given`."""
+    if given is not None:
+        return from_dataset(given, cfg, train, "train_dataset" if train else "eval_dataset")
+    if is_import_path(cfg.name):
+        factory = import_object(cfg.name, "data.name")
+        dataset = factory(**check_call(factory, "data.name", cfg.name, "data.args", {"train": train}, cfg.args))
+        return from_dataset(dataset, cfg, train, f"data.name={cfg.name}")
+    if is_given_object(cfg.name):
+        raise UserError(f"data.name={cfg.name}: this run's data was given as a Python object; pass it again "
+                        "(accel_train.evaluate(..., eval_dataset=...))")
     return DATASETS.get(cfg.name)(cfg, train)
+
+
+def check_data_name(cfg: DataConfig) -> None:
+    """Before any data loads: a registered name, or an import path to a function that takes train= and data.args."""
+    if is_import_path(cfg.name):
+        factory = import_object(cfg.name, "data.name")
+        check_call(factory, "data.name", cfg.name, "data.args", {"train": True}, cfg.args)
+    elif not is_given_object(cfg.name):
+        DATASETS.get(cfg.name)
+
+
+def from_dataset(dataset, cfg: DataConfig, train: bool, where: str) -> Data:
+    """A user's Dataset (by import path, or an object given to accel_train.train) with its classes and input shape;
+    data.train_subset / data.eval_subset apply. It is served by a DataLoader (workers, pinned memory)."""
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise UserError(f"{where}: found {type(dataset).__name__}, expected a torch Dataset (__getitem__ and __len__)")
+    classes = getattr(dataset, "classes", None)
+    classes = [str(name) for name in classes] if classes is not None else None
+    num_classes = cfg.num_classes or (len(classes) if classes else None)
+    limit = cfg.train_subset if train else cfg.eval_subset
+    if limit is not None:
+        dataset = Subset(dataset, range(min(limit, len(dataset))))
+    if len(dataset) == 0:
+        raise UserError(f"{where}: the {'training' if train else 'evaluation'} dataset is empty")
+    first = dataset[0]
+    inputs = first[0] if isinstance(first, (tuple, list)) else first
+    return Data(dataset, num_classes, tuple(inputs.shape) if torch.is_tensor(inputs) else (), classes, first)
+
+
+def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tensor], tuple[int, ...]]:
+    """How evaluation turns one image into the model's input (channels, size, normalisation), and that input's
+    shape, without loading the dataset: what accel-train predict applies to each file."""
+    if cfg.name == "imagefolder":
+        size = cfg.image_size or 224
+        return _imagefolder_transform(cfg, train=False), (3, size, size)
+    if cfg.name not in SOURCES:
+        raise UserError(f"predict reads image files as a dataset of the registry does (mnist, fashion_mnist, "
+                        f"cifar10, stl10, imagefolder); data.name={cfg.name} is not one: call accel_train.predict "
+                        "from Python with your own inputs")
+    source = SOURCES[cfg.name]
+    channels, height, width = source.shape
+    size = cfg.image_size or width
+    mean, std = (torch.tensor(values).view(1, -1, 1, 1) for values in _normalization(cfg, source))
+
+    def convert(image: Image.Image) -> torch.Tensor:
+        # As the dataset's own images: its channels at its own resolution, then the eval data's resize and scaling.
+        image = image.convert("L" if channels == 1 else "RGB")
+        if image.size != (width, height):
+            image = image.resize((width, height), Image.Resampling.BILINEAR)
+        return to_model_input(v2.functional.pil_to_tensor(image)[None], size, mean, std)[0]
+
+    return convert, (channels, size, size)
 
 
 def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
@@ -341,7 +425,7 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
         loader.dataset.set_epoch(epoch, seed)
 
 
-def make_loader(data: ImageData, cfg: DataConfig, global_batch: int, train: bool, device: torch.device) -> DataLoader:
+def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device) -> DataLoader:
     """A loader over GLOBAL batches; Accelerate's prepare (split_batches) hands each process its slice."""
     if train and len(data.dataset) < global_batch:
         raise UserError(f"the training set has {len(data.dataset)} samples, fewer than "

@@ -47,22 +47,26 @@ from accel_train.models import tune_for_device
 from accel_train.observers import Console, Observers, Progress
 from accel_train.optim import build_optimizer, build_scheduler, total_steps
 from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir
-from accel_train.tasks import TASKS
+from accel_train.tasks import Task, task_named
 
 
-def train(config: Config) -> dict:
-    task = TASKS.get(config.task)()
+def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | None = None,
+          train_dataset=None, eval_dataset=None) -> dict:
+    """Train what `config` describes; a task, model or datasets given as objects take the place of its names."""
+    task = task if task is not None else task_named(config.task)
     task.check_config(config)
     check_output_dir(config)
     check_resume(config)
-    task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
-        train_data = build_dataset(config.data, train=True)
-        eval_data = build_dataset(config.data, train=False)
-    model = maybe_sync_batchnorm(task.build_model(config, train_data), config.model.sync_batchnorm, accelerator)
+        train_data = build_dataset(config.data, train=True, given=train_dataset)
+        eval_data = build_dataset(config.data, train=False, given=eval_dataset)
+    task.setup(config, train_data)
+    task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation
+    model = model if model is not None else task.build_model(config, train_data)
+    model = maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
     model = tune_for_device(model, accelerator.device, config.train.channels_last, config.train.compile)
     optimizer = build_optimizer(config.train, model)
     train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device)
@@ -81,7 +85,7 @@ def train(config: Config) -> dict:
     if start.loop_state:
         meter.load_state_dict(start.loop_state)
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
-    observers = main_process_observers(config, accelerator, task, start)
+    observers = main_process_observers(config, accelerator, task, start, train_data.classes)
 
     def save(evaluated: bool) -> Path:
         guard.check(progress)  # never save past a non-finite step (stop policy)
@@ -137,14 +141,15 @@ def train(config: Config) -> dict:
     return progress.last_eval
 
 
-def main_process_observers(config: Config, accelerator, task, start) -> Observers:
+def main_process_observers(config: Config, accelerator, task, start, classes) -> Observers:
     """Only the main process prints and writes run files; the other processes have no observers."""
     if not accelerator.is_main_process:
         return Observers([])
     info = run_info(accelerator)
     headline = (f"training {config.model.name} on {config.data.name}: {info['world_size']} process(es), "
                 f"{info['device']}, mixed precision {info['mixed_precision']}")
-    return Observers([RunFolder(config, info, start), Console(headline, config.output_dir, config.train.progress_bar),
+    return Observers([RunFolder(config, info, start, classes),
+                      Console(headline, config.output_dir, config.train.progress_bar),
                       *task.observers(config)])
 
 
@@ -158,33 +163,45 @@ def evaluate(accelerator, model, task, loader) -> dict:
     return metric.compute()
 
 
-def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
+def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,
+                        model: torch.nn.Module | None = None, eval_dataset=None) -> dict:
     """`accel-train eval`: load exported weights (safetensors) and evaluate them on the eval split."""
-    task = TASKS.get(config.task)()
+    task = task if task is not None else task_named(config.task)
     task.check_config(config)
-    weights = Path(checkpoint)
-    if weights.is_dir():
-        weights = weights / MODEL_FILE
-    if not weights.is_file():
-        raise DataNotFoundError(f"checkpoint={checkpoint}: no {MODEL_FILE} there; pass the output_dir of a run, "
-                                "a checkpoint folder or the file")
-    state = read_weights(weights)
+    state = read_weights(weights_file(checkpoint))
     accelerator = make_accelerator(config.seed)
     with accelerator.local_main_process_first():
-        eval_data = build_dataset(config.data, train=False)
-    model = task.build_model(config, eval_data)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
-        raise UserError(f"checkpoint={checkpoint} does not fit model.name={config.model.name} "
-                        f"on {config.data.name}: {detail}") from None
+        eval_data = build_dataset(config.data, train=False, given=eval_dataset)
+    task.setup(config, eval_data)
+    model = load_weights(model if model is not None else task.build_model(config, eval_data), state, config,
+                         checkpoint)
     eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
                               False, accelerator.device)
     model, eval_loader = accelerator.prepare(model, eval_loader)
     metrics = evaluate(accelerator, model, task, eval_loader)
     accelerator.end_training()
     return metrics
+
+
+def weights_file(checkpoint: str) -> Path:
+    """The model.safetensors of a run folder, of a checkpoint folder, or the file itself."""
+    weights = Path(checkpoint)
+    if weights.is_dir():
+        weights = weights / MODEL_FILE
+    if not weights.is_file():
+        raise DataNotFoundError(f"checkpoint={checkpoint}: no {MODEL_FILE} there; pass the output_dir of a run, "
+                                "a checkpoint folder or the file")
+    return weights
+
+
+def load_weights(model: torch.nn.Module, state: dict, config: Config, checkpoint: str) -> torch.nn.Module:
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
+        raise UserError(f"checkpoint={checkpoint} does not fit model.name={config.model.name} "
+                        f"on {config.data.name}: {detail}") from None
+    return model
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ from torch import nn
 
 from accel_train.config import ModelConfig
 from accel_train.errors import UserError
+from accel_train.imports import check_call, import_object, is_given_object, is_import_path
 from accel_train.registry import Registry
 
 MODELS: Registry[nn.Module] = Registry("model", "model.name")
@@ -63,15 +64,46 @@ def torchvision_model_names() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def check_model_name(name: str) -> None:
-    if name not in MODELS and name not in torchvision_model_names():
-        raise UserError(f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS.names())} or a "
-                        "torchvision classification model (resnet18, resnet50, vgg16, vit_b_16, ...)")
+def check_model(cfg: ModelConfig) -> None:
+    """Before any data loads: a registered or torchvision name, or an import path whose signature fits."""
+    if is_import_path(cfg.name):
+        factory = import_object(cfg.name, "model.name")
+        check_call(factory, "model.name", cfg.name, "model.args", _given(None, None), cfg.args, _GIVEN)
+    elif not is_given_object(cfg.name) and cfg.name not in MODELS and cfg.name not in torchvision_model_names():
+        raise UserError(f"model.name: unknown model '{cfg.name}'; choose one of {', '.join(MODELS.names())}, a "
+                        "torchvision classification model (resnet18, resnet50, vgg16, vit_b_16, ...) or an import "
+                        "path module:Class")
 
 
-def build_classifier(cfg: ModelConfig, num_classes: int, image_shape: tuple[int, int, int]) -> nn.Module:
-    check_model_name(cfg.name)
-    if cfg.name in MODELS:
+_GIVEN = frozenset({"num_classes", "image_shape"})  # passed to a user's model only where its signature takes them
+
+
+def _given(num_classes: int | None, image_shape: tuple | None) -> dict:
+    return {"num_classes": num_classes, "image_shape": image_shape}
+
+
+def build_by_import_path(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[int, ...]) -> nn.Module:
+    """The user's model: model.name=module:Attr called with num_classes / image_shape and model.args."""
+    factory = import_object(cfg.name, "model.name")
+    model = factory(**check_call(factory, "model.name", cfg.name, "model.args", _given(num_classes, image_shape),
+                                 cfg.args, _GIVEN))
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model.name={cfg.name}: returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def build_model(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[int, ...]) -> nn.Module:
+    """The model model.name names: registered, torchvision or by import path; model.dropout applies to all."""
+    check_model(cfg)
+    if is_given_object(cfg.name):
+        raise UserError(f"model.name={cfg.name}: this run's model was given as a Python object; pass it again "
+                        "(accel_train.evaluate(..., model=...))")
+    if is_import_path(cfg.name):
+        model = build_by_import_path(cfg, num_classes, image_shape)
+    elif num_classes is None:
+        raise UserError(f"model.name={cfg.name} needs the number of classes, which the data does not give; set "
+                        "data.num_classes")
+    elif cfg.name in MODELS:
         model = MODELS.get(cfg.name)(num_classes, image_shape)
     else:
         import torchvision

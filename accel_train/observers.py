@@ -82,13 +82,15 @@ class Console(Observer):
             self.bar.update(1)
 
     def on_eval(self, progress: Progress, metrics: dict) -> None:
-        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-        line = f"epoch {progress.epoch} step {progress.step} eval: {shown}"
+        line = f"epoch {progress.epoch} step {progress.step} eval: {shown(metrics)}"
         (self.bar.write if self.bar is not None else print)(line)
 
     def on_train_end(self, progress: Progress) -> None:
         if self.bar is not None:
             self.bar.close()
-        summary = ", ".join(f"{k} {progress.last_eval[k]:.4f}" for k in ("accuracy", "loss") if k in progress.last_eval)
-        print(f"done: {progress.step} steps; final eval {summary}; config, metrics and model.safetensors in "
-              f"{self.output_dir}", flush=True)
+        print(f"done: {progress.step} steps; final eval {shown(progress.last_eval)}; config, metrics and "
+              f"model.safetensors in {self.output_dir}", flush=True)
+
+
+def shown(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())

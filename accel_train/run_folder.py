@@ -12,6 +12,7 @@ from accel_train.errors import UserError, storage_error, writing
 from accel_train.observers import Observer, Progress
 
 CONFIG_FILE, METRICS_FILE, MODEL_FILE = "config.yaml", "metrics.jsonl", "model.safetensors"
+CLASSES_FILE = "classes.json"  # the class names, so predict needs nothing but the run folder
 
 
 def check_output_dir(config: Config) -> None:
@@ -41,7 +42,7 @@ def check_output_dir(config: Config) -> None:
 
 def held_results(folder: Path) -> list[str]:
     """What of a run's results `folder` holds."""
-    held = [name for name in (CONFIG_FILE, METRICS_FILE, MODEL_FILE) if (folder / name).exists()]
+    held = [name for name in (CONFIG_FILE, METRICS_FILE, MODEL_FILE, CLASSES_FILE) if (folder / name).exists()]
     checkpoints = checkpoints_dir(folder)
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         held.append("checkpoints/")
@@ -71,14 +72,16 @@ class RunFolder(Observer):
     metrics.jsonl reads as if the run had never stopped (lines the run that died wrote after it are dropped).
     """
 
-    def __init__(self, config: Config, launch_info: dict, start: ResumePoint) -> None:
-        self.config, self.launch_info, self.start = config, launch_info, start
+    def __init__(self, config: Config, launch_info: dict, start: ResumePoint, classes: list[str] | None) -> None:
+        self.config, self.launch_info, self.start, self.classes = config, launch_info, start, classes
         self.folder = Path(config.output_dir)
 
     def on_train_start(self, progress: Progress) -> None:
         path = self.folder / METRICS_FILE
         with writing(self.folder, "writing config.yaml and metrics.jsonl"):
             save_config(self.config, self.folder / CONFIG_FILE, self.launch_info)
+            if self.classes is not None:
+                (self.folder / CLASSES_FILE).write_text(json.dumps(self.classes, indent=1) + "\n")
             if self.start.in_output_dir and path.is_file():
                 path.write_text("".join(lines_up_to(path.read_text().splitlines(keepends=True), self.start)))
                 self.metrics = open(path, "a", buffering=1)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -143,6 +145,35 @@ def run_nodes(commands: list[tuple[list[str], dict]], timeout: int = 300,
             raise AssertionError(f"{' '.join(result.args)} exited {result.returncode}\n{result.stdout[-3000:]}\n"
                                  f"{result.stderr[-5000:]}\n(other nodes: {[r.returncode for r in results]})")
     return results
+
+
+def slurm_nodes(tmp: Path, nodes: int = 2, dry_run: bool = False, **slurm) -> list:
+    """The sbatch file as each node's srun task runs it, with SLURM's variables faked and a fake scontrol."""
+    fake = tmp / "fake_slurm_bin"
+    fake.mkdir(exist_ok=True)
+    scontrol = fake / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "127.0.0.1\\n127.0.0.2\\n"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    path = f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin"  # `accelerate` from this Python's environment
+    env = {"PATH": path, "ACCEL_TRAIN_NODE_TASK": "1", "SLURM_JOB_NUM_NODES": str(nodes),
+           "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": str(job_id_with_free_port()), **slurm}
+    if dry_run:
+        env["ACCEL_TRAIN_DRY_RUN"] = "1"
+    return [(["bash", "accelerate_configs/slurm_multi_node.sbatch"], {**env, "SLURM_NODEID": str(rank)})
+            for rank in range(nodes)]
+
+
+def job_id_with_free_port() -> int:
+    """A SLURM job id whose derived port (20000 + id % 20000) is free on this machine."""
+    for _ in range(100):
+        port = random.randrange(20000, 40000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return 100000 + port - 20000
+    raise RuntimeError("no free port in 20000-39999")
 
 
 @dataclass

@@ -5,7 +5,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 
 from accel_train.config import DataConfig
-from accel_train.data import ImageData, InMemoryImages, make_loader, random_crop_flip, sample_keys
+from accel_train.data import Data, InMemoryImages, make_loader, random_crop_flip, sample_keys
 from conftest import launch, read_metrics
 
 CPU = torch.device("cpu")
@@ -15,7 +15,7 @@ def _images(count=37, channels=3, side=8, augment=False):
     pixels = torch.randint(0, 256, (count, channels, side, side), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(0))
     # label = sample index, so a batch's labels say exactly which samples it holds
-    return ImageData(InMemoryImages(pixels, torch.arange(count), (0.5,) * channels, (0.25,) * channels, augment), 10,
+    return Data(InMemoryImages(pixels, torch.arange(count), (0.5,) * channels, (0.25,) * channels, augment), 10,
                      (channels, side, side))
 
 

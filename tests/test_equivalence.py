@@ -91,12 +91,12 @@ def test_shuffling_is_a_function_of_seed_and_epoch():
     from torch.utils.data import TensorDataset
 
     from accel_train.config import DataConfig
-    from accel_train.data import ImageData, make_loader
+    from accel_train.data import Data, make_loader
     from accel_train.distributed import make_accelerator
 
     def order(seed: int, epoch: int) -> list[int]:
         accelerator = make_accelerator(seed)
-        data = ImageData(TensorDataset(torch.arange(40)), num_classes=1, image_shape=(1, 1, 1))
+        data = Data(TensorDataset(torch.arange(40)), num_classes=1, image_shape=(1, 1, 1))
         loader = accelerator.prepare(make_loader(data, DataConfig(num_workers=0), 8, True, accelerator.device))
         loader.set_epoch(epoch)
         return torch.cat([batch for (batch,) in loader]).tolist()

@@ -7,16 +7,12 @@ does so at 1, 2 and 3 processes in test_distributed.py. On a GPU-less machine th
 group on the CPU; "nodes" are launches on 127.0.0.1 started together.
 """
 
-import random
-import socket
-import stat
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import PROFILES, PYTHON, free_port, last_json_line, read_metrics, run_nodes, train_in_process
+from conftest import PROFILES, PYTHON, free_port, last_json_line, read_metrics, run_nodes, slurm_nodes, train_in_process
 
 # 48 samples / global batch 24 = 2 steps per epoch; 101 eval samples split evenly across no 2 processes.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=101", "model.dropout=false",
@@ -71,35 +67,6 @@ def wizard_file(tmp: Path) -> Path:
     path = tmp / "wizard_multi_gpu.yaml"
     path.write_text(WIZARD_MULTI_GPU)
     return path
-
-
-def slurm_nodes(tmp: Path, nodes: int = 2, dry_run: bool = False, **slurm) -> list:
-    """The sbatch file as each node's srun task runs it, with SLURM's variables faked and a fake scontrol."""
-    fake = tmp / "fake_slurm_bin"
-    fake.mkdir(exist_ok=True)
-    scontrol = fake / "scontrol"
-    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "127.0.0.1\\n127.0.0.2\\n"\n')
-    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
-    path = f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin"  # `accelerate` from this Python's environment
-    env = {"PATH": path, "ACCEL_TRAIN_NODE_TASK": "1", "SLURM_JOB_NUM_NODES": str(nodes),
-           "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": str(job_id_with_free_port()), **slurm}
-    if dry_run:
-        env["ACCEL_TRAIN_DRY_RUN"] = "1"
-    return [(["bash", "accelerate_configs/slurm_multi_node.sbatch"], {**env, "SLURM_NODEID": str(rank)})
-            for rank in range(nodes)]
-
-
-def job_id_with_free_port() -> int:
-    """A SLURM job id whose derived port (20000 + id % 20000) is free on this machine."""
-    for _ in range(100):
-        port = random.randrange(20000, 40000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return 100000 + port - 20000
-    raise RuntimeError("no free port in 20000-39999")
 
 
 # name -> (world size, tmp -> [(command up to the accel-train arguments, extra env) for each node])

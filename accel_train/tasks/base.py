@@ -1,4 +1,9 @@
-"""The Task interface: the training loop only calls these methods, so every workload shares the same loop."""
+"""The Task interface: the training loop only calls these methods, so every workload shares the same loop.
+
+A user's Task subclasses `accel_train.Task`; a recipe names it by import path (`task: my_tasks:Regression`) or
+a script passes an instance to `accel_train.train(task=...)`. It must define training_step, eval_step and
+new_metric; the rest has defaults.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,33 @@ import torch
 from torch import nn
 
 from accel_train.config import Config
-from accel_train.data import ImageData
+from accel_train.data import Data
+from accel_train.errors import UserError
+from accel_train.imports import import_object, is_import_path
 from accel_train.registry import Registry
+
+REQUIRED = ("training_step", "eval_step", "new_metric")
 
 
 class Task:
     def check_config(self, config: Config) -> None:
-        """Reject names this task cannot build, before any data is loaded."""
+        """Before any data loads: reject names and import paths this task cannot build."""
+        from accel_train.data import check_data_name
+        from accel_train.models import check_model
 
-    def build_model(self, config: Config, data: ImageData) -> nn.Module:
-        raise NotImplementedError
+        check_data_name(config.data)
+        check_model(config.model)
+
+    def setup(self, config: Config, data: Data) -> None:
+        """Once before training, evaluation or prediction, with the data the model is built for: keep what the
+        other methods need (the number of classes, a loss weight from the config)."""
+
+    def build_model(self, config: Config, data: Data) -> nn.Module:
+        """The model model.name names, for this data: a registered or torchvision model, or the user's by import
+        path, called with num_classes and image_shape where it takes them, and model.args."""
+        from accel_train.models import build_model
+
+        return build_model(config.model, data.num_classes, data.image_shape)
 
     def training_step(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         """Scalar terms for this process's batch; "loss" is optimized, every term is logged."""
@@ -26,8 +48,16 @@ class Task:
         raise NotImplementedError
 
     def new_metric(self):
-        """A fresh `evaluate` metric whose add_batch takes the gathered eval_step output."""
+        """A fresh metric: add_batch(**columns) takes the gathered eval_step output, compute() returns a dict.
+
+        An `evaluate` metric fits, and so does `accel_train.mean_metric(*names)`."""
         raise NotImplementedError
+
+    def predict_step(self, model: nn.Module, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-sample predictions for a batch of inputs (accel-train predict): "labels" and "scores", each
+        (batch, top_k), best first."""
+        raise UserError(f"task {type(self).__name__} does not predict labels; accel-train predict needs a task "
+                        "with predict_step (classification has one)")
 
     def observers(self, config: Config) -> list:
         """Main-process observers this workload adds to a training run (e.g. pictures after each evaluation)."""
@@ -35,6 +65,31 @@ class Task:
 
 
 TASKS: Registry[Task] = Registry("task", "task")
+
+
+def task_named(name: str) -> Task:
+    """The Task `task` names: one of the registry, or the user's subclass by import path."""
+    found = import_object(name, "task") if is_import_path(name) else TASKS.get(name)
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        raise UserError(f"task={name}: found {type(found).__name__} {getattr(found, '__name__', found)!r}, expected "
+                        "a subclass of accel_train.Task")
+    try:
+        task = found()
+    except TypeError as err:
+        raise UserError(f"task={name}: {found.__name__}() failed ({err}); a Task is made without arguments and "
+                        "reads the config in setup()") from None
+    check_task(task, f"task={name}")
+    return task
+
+
+def check_task(task: Task, where: str) -> None:
+    """A user's Task defines what the base class leaves open."""
+    if not isinstance(task, Task):
+        raise UserError(f"{where}: found {type(task).__name__}, expected an instance of a subclass of accel_train.Task")
+    missing = [name for name in REQUIRED if getattr(type(task), name) is getattr(Task, name)]
+    if missing:
+        raise UserError(f"{where}: {type(task).__name__} does not define {', '.join(missing)}; a Task defines "
+                        f"{', '.join(REQUIRED)}")
 
 
 class WithComputeArgs:
@@ -49,3 +104,10 @@ class WithComputeArgs:
     def compute(self) -> dict:
         return self.metric.compute(**self.compute_kwargs)
 
+
+def mean_metric(*names: str) -> WithComputeArgs:
+    """A metric for a Task's new_metric: the mean of each named per-sample value that eval_step returns, over
+    exactly the evaluated samples at any world size, and num_samples."""
+    from accel_train.metrics import MeanValues, in_memory
+
+    return WithComputeArgs(in_memory(MeanValues, names))

@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
+import numbers
+
+import torch
 import torch.nn.functional as F
-from torch import nn
 
 from accel_train.config import Config
-from accel_train.data import ImageData
+from accel_train.data import Data
+from accel_train.errors import UserError
 from accel_train.tasks.base import TASKS, Task, WithComputeArgs
 
 
 @TASKS.register("classification")
 class ClassificationTask(Task):
     top_k = 5
-    report_top5 = True  # until build_model knows the number of classes
+    report_top5 = True  # setup knows the number of classes
+    predict_top_k = 1
 
-    def check_config(self, config: Config) -> None:
-        from accel_train.data import DATASETS
-        from accel_train.models import check_model_name
-
-        DATASETS.get(config.data.name)
-        check_model_name(config.model.name)
-
-    def build_model(self, config: Config, data: ImageData) -> nn.Module:
-        from accel_train.models import build_classifier
-
+    def setup(self, config: Config, data: Data) -> None:
+        if data.num_classes is None:
+            raise UserError(f"data.name={config.data.name}: the dataset gives no classes (no `classes` attribute); "
+                            "set data.num_classes")
         self.report_top5 = data.num_classes > self.top_k
-        return build_classifier(config.model, data.num_classes, data.image_shape)
+        self.predict_top_k = min(config.predict.top_k, data.num_classes)
+        if data.example is not None and not _is_classification_sample(data.example):
+            sample = data.example
+            shown = type(sample).__name__ if not isinstance(sample, (tuple, list)) else \
+                "(" + ", ".join(type(part).__name__ for part in sample) + ")"
+            raise UserError(f"data.name={config.data.name}: a sample is {shown}; task=classification needs "
+                            "(input tensor, integer label)")
 
     def training_step(self, model, batch):
         images, labels = batch
@@ -46,3 +50,16 @@ class ClassificationTask(Task):
         from accel_train.metrics import ClassificationMetrics, in_memory
 
         return WithComputeArgs(in_memory(ClassificationMetrics), report_top5=self.report_top5)
+
+    def predict_step(self, model, inputs):
+        scores, labels = model(inputs).float().softmax(dim=-1).topk(self.predict_top_k, dim=-1)
+        return {"labels": labels, "scores": scores}
+
+
+def _is_classification_sample(sample) -> bool:
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2 or not torch.is_tensor(sample[0]):
+        return False
+    label = sample[1]
+    if torch.is_tensor(label):
+        return label.ndim == 0 and not label.is_floating_point() and not label.is_complex()
+    return isinstance(label, numbers.Integral) and not isinstance(label, bool)  # int or a NumPy integer

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel_train.config import Config, ModelConfig
-from accel_train.data import ImageData
+from accel_train.data import Data
 from accel_train.errors import UserError, writing
+from accel_train.imports import is_import_path
 from accel_train.observers import Observer, Progress
 from accel_train.registry import Registry
 from accel_train.tasks.base import TASKS, Task, WithComputeArgs
@@ -80,16 +81,26 @@ class VAETask(Task):
     pictures: dict | None = None
 
     def check_config(self, config: Config) -> None:
-        from accel_train.data import DATASETS
+        from accel_train.data import check_data_name
+        from accel_train.models import check_model
 
-        DATASETS.get(config.data.name)
-        VAE_MODELS.get(config.model.name)
+        check_data_name(config.data)
+        if is_import_path(config.model.name):
+            check_model(config.model)
+        else:
+            VAE_MODELS.get(config.model.name)
         if config.data.normalize:
             raise UserError("task=vae models pixel values in [0, 1] (Bernoulli likelihood): set data.normalize=false")
 
-    def build_model(self, config: Config, data: ImageData) -> nn.Module:
+    def setup(self, config: Config, data: Data) -> None:
+        self.beta, self.seed = config.model.beta, config.seed
+
+    def build_model(self, config: Config, data: Data) -> nn.Module:
         cfg: ModelConfig = config.model
-        self.beta, self.seed = cfg.beta, config.seed
+        if is_import_path(cfg.name):  # the user's VAE: forward(images, sample) -> (logits, mean, log_var), decode
+            from accel_train.models import build_by_import_path
+
+            return build_by_import_path(cfg, None, data.image_shape)
         return VAE_MODELS.get(cfg.name)(data.image_shape, cfg.latent_size, cfg.hidden_size)
 
     def training_step(self, model, batch):

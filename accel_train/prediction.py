@@ -1,0 +1,113 @@
+"""`accel-train predict`: the top labels of image files, each file exactly once, the same at any world size.
+
+Each file is read and converted as the recipe's evaluation data is (channels, size, normalisation). The
+files are split across processes by Accelerate's prepared DataLoader, and `gather_for_metrics` drops the
+padding of the last batch, so every file gets exactly one row. The global batch is `predict.batch_size` per
+process, so the model sees batches of that size at any world size. The class names come from the run
+folder (classes.json, written by training).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from accel_train.config import Config
+from accel_train.data import Data, image_converter, load_image, make_loader
+from accel_train.distributed import make_accelerator
+from accel_train.errors import DataNotFoundError, writing
+from accel_train.loop import load_weights, read_weights, weights_file
+from accel_train.run_folder import CLASSES_FILE
+from accel_train.tasks import Task, task_named
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def find_images(spec: str) -> list[Path]:
+    """An image file, the images under a folder (recursively), or those a glob matches; sorted by path."""
+    path = Path(spec)
+    if path.is_file():
+        found = [path]
+    elif path.is_dir():
+        found = [file for file in path.rglob("*") if file.is_file() and file.suffix.lower() in IMAGE_EXTENSIONS]
+    else:
+        found = [Path(name) for name in glob.glob(spec, recursive=True)
+                 if Path(name).is_file() and Path(name).suffix.lower() in IMAGE_EXTENSIONS]
+    if not found:
+        raise DataNotFoundError(f"input={spec}: no image file there ({' '.join(IMAGE_EXTENSIONS)}); pass a file, "
+                                "a folder or a glob such as 'photos/*.jpg' (quoted)")
+    return sorted(found, key=str)
+
+
+class ImageFiles(Dataset):
+    """(model input, index) for each file; the index says which file a gathered row belongs to."""
+
+    def __init__(self, files: list[Path], convert) -> None:
+        self.files, self.convert = files, convert
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int):
+        return self.convert(load_image(str(self.files[index]))), index
+
+
+def class_names(checkpoint: str, weights: Path) -> list[str]:
+    """classes.json of the run the weights belong to: beside them, or two folders up from a checkpoint's."""
+    for folder in (weights.parent, weights.parent.parent.parent):
+        if (folder / CLASSES_FILE).is_file():
+            return json.loads((folder / CLASSES_FILE).read_text())
+    raise DataNotFoundError(f"checkpoint={checkpoint}: no {CLASSES_FILE} in its run folder; predict takes the class "
+                            "names that training writes there (train the run again with this version)")
+
+
+def predict(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
+            model: torch.nn.Module | None = None) -> list[dict]:
+    """Rows {"path", "labels", "scores"} for every input file, sorted by path; written as CSV to `output`."""
+    task = task if task is not None else task_named(config.task)
+    convert, shape = image_converter(config.data)
+    weights = weights_file(checkpoint)
+    classes = class_names(checkpoint, weights)
+    files = find_images(inputs)
+    state = read_weights(weights)
+    accelerator = make_accelerator(config.seed)
+    data = Data(None, len(classes), shape, classes)
+    task.setup(config, data)
+    model = load_weights(model if model is not None else task.build_model(config, data), state, config, checkpoint)
+    loader = make_loader(Data(ImageFiles(files, convert), len(classes), shape), config.data,
+                         config.predict.batch_size * accelerator.num_processes, False, accelerator.device)
+    model, loader = accelerator.prepare(model, loader)
+    model.eval()
+    found: dict[int, tuple[list[int], list[float]]] = {}
+    with torch.no_grad():
+        for images, indices in loader:
+            rows = accelerator.gather_for_metrics({"index": indices, **task.predict_step(model, images)})
+            for index, labels, scores in zip(rows["index"].tolist(), rows["labels"].tolist(), rows["scores"].tolist()):
+                found[index] = (labels, scores)
+    results = [{"path": str(files[index]), "labels": [classes[label] for label in found[index][0]],
+                "scores": found[index][1]} for index in range(len(files))]
+    if output and accelerator.is_main_process:
+        write_csv(results, Path(output))
+    accelerator.end_training()
+    return results
+
+
+def write_csv(results: list[dict], path: Path) -> None:
+    """path,label,score[,label_2,score_2,...]: best first, scores (softmax probabilities) with 6 decimals."""
+    top_k = len(results[0]["labels"])
+    header = ["path", "label", "score"]
+    header += [f"{name}_{rank}" for rank in range(2, top_k + 1) for name in ("label", "score")]
+    with writing(path, "writing the predictions"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as handle:
+            rows = csv.writer(handle)
+            rows.writerow(header)
+            for result in results:
+                pairs = [value for label, score in zip(result["labels"], result["scores"])
+                         for value in (label, f"{score:.6f}")]
+                rows.writerow([result["path"], *pairs])

@@ -1,0 +1,341 @@
+"""Contracts for the user's own code: a model, dataset and Task by import path or as Python objects, the Python
+API, predict, and the projects in examples/ at 1 and 2 processes. What accel-train guarantees for its own
+recipes (exact eval at any world size, exact resume, one-line errors) must hold for them too."""
+
+import csv
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from accel_train.config import load_config
+from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
+from conftest import (
+    PYTHON,
+    REPO,
+    free_port,
+    last_json_line,
+    launch,
+    read_metrics,
+    run_cli,
+    run_nodes,
+    slurm_nodes,
+    train_in_process,
+)
+
+USER_RECIPE = str(REPO / "tests" / "user_code" / "recipe.yaml")  # user_models.py beside it
+EXAMPLES = REPO / "examples"
+
+
+def checked(*overrides: str):
+    """What a run checks before any data loads, in this process; the config it checked."""
+    from accel_train.tasks import task_named
+
+    config = load_config(USER_RECIPE, list(overrides))
+    task_named(config.task).check_config(config)
+    return config
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.name=no_such_module:Net"], ["model.name=no_such_module:Net", "no module no_such_module"]),
+    (["model.name=user_models:NoSuchNet"], ["user_models", "has no NoSuchNet", "TinyNet"]),
+    (["model.name=user_models:"], ["an import path is module:attribute"]),
+    (["model.name=user_models:NUMBER"], ["found int", "expected a class or function"]),
+    (["model.name=user_models:TinyNet", "model.args.depth=3"], ["TinyNet(num_classes", "takes no depth"]),
+    (["model.name=user_models:needs_depth"], ["needs depth", "model.args.depth"]),
+    (["model.name=broken_module:RATIO"], ["importing broken_module failed", "ZeroDivisionError"]),
+    (["data.name=user_models:no_train_argument"], ["data.name=user_models:no_train_argument", "takes no train"]),
+    (["data.name=user_models:points", "data.args.colour=red"], ["takes no colour", "data.args"]),
+    (["task=user_models:NotATask"], ["task=user_models:NotATask", "expected a subclass of accel_train.Task"]),
+    (["task=user_models:HalfTask"], ["HalfTask does not define eval_step, new_metric"]),
+])
+def test_an_import_path_mistake_is_named_in_one_line_before_any_data_loads(overrides, words):
+    with pytest.raises(UserError) as error:
+        checked(*overrides)
+    assert "\n" not in str(error.value)
+    assert all(word in str(error.value) for word in words), str(error.value)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.name=user_models:not_a_module"], ["returned list", "expected a torch.nn.Module"]),
+    (["data.name=user_models:returns_a_generator"], ["found generator", "expected a torch Dataset"]),
+    (["data.name=user_models:points"], ["gives no classes", "set data.num_classes"]),
+    (["data.name=user_models:float_labels", "data.num_classes=2"], ["a sample is (Tensor, Tensor)",
+                                                                     "(input tensor, integer label)"]),
+])
+def test_what_user_code_returns_is_checked_where_it_is_called(overrides, words):
+    from accel_train.data import build_dataset
+    from accel_train.tasks import task_named
+
+    config = checked(*overrides)
+    task = task_named(config.task)
+    with pytest.raises(UserError) as error:
+        data = build_dataset(config.data, train=True)
+        task.setup(config, data)
+        task.build_model(config, data)
+    assert all(word in str(error.value) for word in words), str(error.value)
+
+
+def test_an_import_path_mistake_on_the_command_line_exits_2_in_one_line(tmp_path):
+    result = run_cli("train", USER_RECIPE, "model.name=user_models:needs_depth", f"output_dir={tmp_path}",
+                     check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert "model.name=user_models:needs_depth" in line and "needs depth" in line
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_modules_are_found_in_the_current_directory(tmp_path, monkeypatch):
+    from accel_train.imports import import_object
+
+    (tmp_path / "here_models.py").write_text("from torch import nn\nNet = nn.Linear\n")
+    monkeypatch.chdir(tmp_path)
+    assert import_object("here_models:Net", "model.name") is torch.nn.Linear
+
+
+def test_a_user_dataset_and_model_by_import_path_train_and_record_their_class_names(tmp_path):
+    metrics = train_in_process(USER_RECIPE, "data.name=user_models:points", "data.num_classes=3",
+                               "model.args.hidden=4", f"output_dir={tmp_path}")
+    assert metrics["num_samples"] == 20  # data.eval_subset applies to a user dataset
+    assert not (tmp_path / "classes.json").exists()  # a dataset without names: none to record
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert weights["net.1.weight"].shape == (4, 16) and weights["net.3.weight"].shape == (3, 4)
+
+
+# --- the Python API --------------------------------------------------------------------------------------------
+
+class Tagged(torch.utils.data.Dataset):
+    """Inputs whose label is recoverable: a classification problem a linear model learns."""
+
+    classes = ["low", "high"]
+
+    def __init__(self, size: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(size, 3, generator=generator)
+        self.labels = (self.inputs.sum(dim=1) > 0).long()
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.labels[index]
+
+
+def test_the_python_api_trains_objects_in_place_of_names_and_records_them(tmp_path):
+    import accel_train
+
+    torch.manual_seed(0)
+    settings = [f"output_dir={tmp_path}", "train.batch_size=16", "train.epochs=3", "train.lr=0.05",
+                "data.num_workers=0"]
+    metrics = accel_train.train("mnist_cnn", settings, model=torch.nn.Linear(3, 2),
+                                train_dataset=Tagged(320, seed=0), eval_dataset=Tagged(101, seed=1))
+    assert metrics["num_samples"] == 101 and metrics["accuracy"] > 0.85, metrics
+    config = (tmp_path / "config.yaml").read_text()
+    assert "name: <torch.nn.modules.linear.Linear>" in config and "name: <test_user_code.Tagged>" in config
+    assert json.loads((tmp_path / "classes.json").read_text()) == ["low", "high"]
+    again = accel_train.evaluate("mnist_cnn", tmp_path, ["data.num_workers=0"], model=torch.nn.Linear(3, 2),
+                                 eval_dataset=Tagged(101, seed=1))
+    assert again == metrics
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda api: api.train("mnist_cnn", model=42), ["model: found int, expected a torch.nn.Module"]),
+    (lambda api: api.train("mnist_cnn", train_dataset=Tagged(10, 0)), ["give both, or neither"]),
+    (lambda api: api.train("mnist_cnn", task=object()), ["task: found object", "accel_train.Task"]),
+    (lambda api: api.train("mnist_cnn", "train.lr=0.1"), ["pass a list of key=value strings"]),
+    (lambda api: api.evaluate("mnist_cnn", "/nonexistent/run"), ["no model.safetensors there"]),
+])
+def test_the_python_api_raises_user_error_with_the_command_lines_one_line(call, words):
+    import accel_train
+
+    with pytest.raises(accel_train.UserError) as error:
+        call(accel_train)
+    assert all(word in str(error.value) for word in words), str(error.value)
+
+
+def test_importing_the_package_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, accel_train\nprint(sorted(accel_train.__all__), 'torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().endswith("False"), result.stdout
+    assert "'train'" in result.stdout and "'Task'" in result.stdout and "'predict'" in result.stdout
+
+
+# --- exact resume of a user's model -------------------------------------------------------------------------
+
+class Crash(Exception):
+    pass
+
+
+def test_a_user_model_resumes_exactly(tmp_path, monkeypatch):
+    from accel_train.checkpoint import Checkpoints
+
+    recipe = str(EXAMPLES / "two_conv_net" / "recipe.yaml")
+    run = ["data.synthetic=true", "data.augment=true", "data.train_subset=96", "data.eval_subset=30",
+           "train.batch_size=12", "train.epochs=2", "train.log_every_steps=3", "checkpoint.every_steps=4",
+           "model.args.width=8"]
+    train_in_process(recipe, *run, f"output_dir={tmp_path / 'reference'}")
+    save = Checkpoints.save
+
+    def save_then_crash(self, progress, *args, **kwargs):
+        saved = save(self, progress, *args, **kwargs)
+        if progress.step == 8:  # epoch 0, in the middle of the train line at step 9
+            raise Crash
+        return saved
+
+    monkeypatch.setattr(Checkpoints, "save", save_then_crash)
+    with pytest.raises(Crash):
+        train_in_process(recipe, *run, f"output_dir={tmp_path / 'resumed'}")
+    monkeypatch.setattr(Checkpoints, "save", save)
+    train_in_process(recipe, *run, f"output_dir={tmp_path / 'resumed'}", "resume=auto")
+
+    def lines(folder):
+        return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"}
+                for line in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert lines("resumed") == lines("reference")
+    ours, theirs = (load_file(str(tmp_path / folder / "model.safetensors")) for folder in ("resumed", "reference"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+# --- the examples, at 1 and 2 processes ---------------------------------------------------------------------
+
+EXAMPLE_RUNS = {
+    # recipe, overrides that keep the test short, eval world sizes for one checkpoint
+    "two_conv_net": (str(EXAMPLES / "two_conv_net" / "recipe.yaml"),
+                     ["data.synthetic=true", "data.train_subset=96", "data.eval_subset=101", "train.batch_size=24",
+                      "train.eval_batch_size=50", "train.epochs=1", "model.args.width=8"], (2,)),
+    # 997 eval samples divide by neither 2 nor 3 (a user's dataset, model and Task), served by a DataLoader worker
+    "regression": (str(EXAMPLES / "regression" / "recipe.yaml"),
+                   ["data.args.size=1200", "data.eval_subset=997", "train.epochs=1", "train.batch_size=100",
+                    "train.eval_batch_size=100", "data.num_workers=1"], (3,)),  # and at 2 by torchrun and SLURM
+}
+
+
+def same_metrics(a: dict, b: dict) -> None:
+    """Identical metrics: the same names and counts, and floats equal but for summation order (1e-6)."""
+    names = a.keys() - {"split", "epoch", "step"}
+    assert names == b.keys() - {"split", "epoch", "step"}
+    for name in names:
+        if isinstance(b[name], float):
+            assert a[name] == pytest.approx(b[name], rel=1e-6), name
+        else:
+            assert a[name] == b[name], name
+
+
+@pytest.mark.parametrize("example", EXAMPLE_RUNS)
+def test_an_example_trains_at_1_and_2_processes_and_one_checkpoint_evaluates_identically(example, tmp_path):
+    recipe, overrides, eval_sizes = EXAMPLE_RUNS[example]
+    for processes in (1, 2):
+        launch(processes, "train", recipe, *overrides, f"output_dir={tmp_path / str(processes)}")
+    one, two = (read_metrics(tmp_path / name, "eval")[-1] for name in ("1", "2"))
+    assert one["num_samples"] == two["num_samples"]
+    for processes in eval_sizes:  # the 1-process run's checkpoint, evaluated by more processes
+        evaluated = last_json_line(launch(processes, "eval", recipe, *overrides, f"checkpoint={tmp_path / '1'}").stdout)
+        same_metrics(evaluated, one)
+    if example == "regression":  # torchrun's workers and the SLURM script's nodes find the modules beside the recipe
+        evaluation = ["eval", recipe, *overrides, f"checkpoint={tmp_path / '1'}"]
+        torchrun = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                    "-m", "accel_train"]
+        (node,) = run_nodes([(torchrun + evaluation, {})])
+        same_metrics(last_json_line(node.stdout), one)
+        node_0, _ = run_nodes([(command + evaluation, env) for command, env in slurm_nodes(tmp_path)])
+        same_metrics(last_json_line(node_0.stdout), one)
+
+
+def test_the_python_api_script_runs_under_accelerate_launch_at_1_and_2_processes(tmp_path):
+    script = str(EXAMPLES / "python_api" / "train_blobs.py")
+    trained = {n: last_json_line(launch(n, str(tmp_path / str(n)), script=script).stdout) for n in (1, 2)}
+    assert trained[1]["num_samples"] == trained[2]["num_samples"] == 301
+    assert trained[1]["accuracy"] > 0.8 and trained[2]["accuracy"] > 0.8, trained
+    evaluated = last_json_line(launch(2, "--evaluate", str(tmp_path / "1"), script=script).stdout)
+    same_metrics(evaluated, trained[1])
+
+
+# --- predict ------------------------------------------------------------------------------------------------
+
+CLASSES = ("cat", "dog", "owl")
+IMAGE_RUN = ["model.name=resnet18", "data.image_size=32", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory):
+    """A run trained on an image folder of three classes, and 13 input images of mixed sizes and modes."""
+    root = tmp_path_factory.mktemp("predict")
+    for split in ("train", "val"):
+        for index, name in enumerate(CLASSES):
+            (root / "images" / split / name).mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (40 + i, 36), (index * 80, i * 40, 200 - index * 60)).save(
+                    root / "images" / split / name / f"{i}.png")
+    train_in_process("imagefolder", f"data.root={root / 'images'}", *IMAGE_RUN, "train.batch_size=6",
+                     "train.eval_batch_size=6", "train.max_steps=2", f"output_dir={root / 'run'}")
+    modes = ("RGB", "L", "RGBA")
+    for i in range(13):
+        folder = root / "inputs" / ("nested" if i % 4 == 0 else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        mode = modes[i % 3]
+        colour = (i * 19) % 256 if mode == "L" else (i * 19, 90, 250 - i * 9)
+        suffix = "png" if mode == "RGBA" else "jpg"
+        Image.new(mode, (30 + 3 * i, 50 - i), colour).save(folder / f"photo_{i:02d}.{suffix}")
+    return root
+
+
+def test_predict_writes_one_row_per_file_identically_at_1_2_and_3_processes(image_run):
+    assert json.loads((image_run / "run" / "classes.json").read_text()) == list(CLASSES)
+    written = {}
+    for processes in (1, 2, 3):
+        output = image_run / f"predictions_{processes}.csv"
+        launch(processes, "predict", "imagefolder", f"checkpoint={image_run / 'run'}",
+               f"input={image_run / 'inputs'}", f"output={output}", "predict.top_k=2", "predict.batch_size=4",
+               *IMAGE_RUN)
+        written[processes] = output.read_text()
+    assert written[1] == written[2] == written[3]
+    header, *rows = csv.reader(written[1].splitlines())
+    assert header == ["path", "label", "score", "label_2", "score_2"]
+    files = sorted(str(path) for path in (image_run / "inputs").rglob("*.*"))
+    assert [row[0] for row in rows] == files and len(files) == 13
+    for _, label, score, label_2, score_2 in rows:
+        assert label in CLASSES and label_2 in CLASSES and label != label_2
+        assert 1 >= float(score) >= float(score_2) >= 0
+
+
+def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run, tmp_path):
+    import accel_train
+
+    settings = [*IMAGE_RUN, "predict.top_k=3"]
+    run = image_run / "run"
+    (single,) = accel_train.predict("imagefolder", run, image_run / "inputs" / "photo_01.jpg", settings)
+    assert single["path"].endswith("photo_01.jpg") and sorted(single["labels"]) == sorted(CLASSES)
+    assert sum(single["scores"]) == pytest.approx(1.0, rel=1e-5)
+    pngs = accel_train.predict("imagefolder", run, str(image_run / "inputs" / "**" / "*.png"), settings)
+    assert [row["path"] for row in pngs] == sorted(str(p) for p in (image_run / "inputs").rglob("*.png"))
+    with pytest.raises(DataNotFoundError, match="no image file there"):
+        accel_train.predict("imagefolder", run, tmp_path, settings)
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes((image_run / "inputs" / "photo_01.jpg").read_bytes()[:100])
+    with pytest.raises(UnreadableFileError, match=f"cannot read {broken}"):
+        accel_train.predict("imagefolder", run, broken, settings)
+    with pytest.raises(UserError, match="predict reads image files"):
+        accel_train.predict(USER_RECIPE, run, broken, ["data.name=user_models:points"])
+
+
+def test_predict_converts_an_image_as_the_recipes_eval_data_is(tmp_path):
+    """Grayscale 28 px for MNIST, whatever the file: the file's pixels reach the model as an eval sample's do."""
+    from accel_train.data import build_dataset, image_converter
+
+    config = load_config("mnist_cnn", ["data.synthetic=true", "data.eval_subset=3"])
+    convert, shape = image_converter(config.data)
+    pixels = build_dataset(config.data, train=False).dataset.images[0]  # uint8 (1, 28, 28)
+    Image.fromarray(pixels[0].numpy()).convert("RGB").save(tmp_path / "sample.png")
+    with Image.open(tmp_path / "sample.png") as image:
+        converted = convert(image)
+    assert shape == (1, 28, 28) and converted.shape == shape
+    expected, _ = build_dataset(config.data, train=False).dataset.__getitems__([0])
+    assert torch.equal(converted, expected[0])
+    shutil.rmtree(tmp_path)

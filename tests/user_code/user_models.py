@@ -1,0 +1,55 @@
+"""User code for the import-path tests, good and deliberately broken (test fixtures, not examples)."""
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import accel_train
+
+
+class TinyNet(nn.Module):
+    def __init__(self, num_classes: int, image_shape: tuple, hidden: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(image_shape).prod()), hidden), nn.ReLU(),
+                                 nn.Linear(hidden, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def needs_depth(num_classes: int, depth: int) -> nn.Module:
+    return nn.Linear(depth, num_classes)
+
+
+def not_a_module(num_classes: int, image_shape: tuple) -> list:
+    return [num_classes, image_shape]
+
+
+def points(train: bool, size: int = 30) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0 if train else 1)
+    inputs = torch.randn(size, 1, 4, 4, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, 3, (size,), generator=generator))
+
+
+def no_train_argument(size: int = 30) -> TensorDataset:
+    return points(True, size)
+
+
+def returns_a_generator(train: bool):
+    return (index for index in range(3))
+
+
+def float_labels(train: bool) -> TensorDataset:
+    return TensorDataset(torch.randn(10, 4), torch.randn(10))
+
+
+class NotATask:
+    pass
+
+
+class HalfTask(accel_train.Task):
+    def training_step(self, model, batch):
+        return {"loss": model(batch[0]).sum()}
+
+
+NUMBER = 3
