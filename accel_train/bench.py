@@ -28,6 +28,7 @@ from accelerate.utils import set_seed
 from accel_train.config import Config, load_config
 from accel_train.data import build_dataset, make_loader
 from accel_train.distributed import make_accelerator, plain_process_env
+from accel_train.doctor import cpu_has_bf16
 from accel_train.errors import UserError
 from accel_train.models import tune_for_device
 from accel_train.optim import build_optimizer, build_scheduler
@@ -221,7 +222,8 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, thread
     rows = [("1 process", 1, "no")]
     if processes > 1:
         rows.append((f"{processes} processes", processes, "no"))
-    rows.append((f"{processes} process{'es' if processes > 1 else ''} + {mixed}", processes, mixed))
+    emulated = " (emulated: this CPU has no native bf16 kernels)" if device_kind == "cpu" and not cpu_has_bf16() else ""
+    rows.append((f"{processes} process{'es' if processes > 1 else ''} + {mixed}{emulated}", processes, mixed))
     table, single = [], None
     for name, n, precision in rows:
         run_dir = out / "runs" / f"scaling_{n}_{precision}"
@@ -230,11 +232,6 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, thread
             command = [sys.executable, "-m", "accel_train", *args]
         else:
             command = launch_command(n, precision, str(PROFILE) if PROFILE.is_file() else None, args)
-        if precision == "bf16" and device_kind == "cpu" and not cpu_has_bf16():
-            table.append({"name": name, "processes": n, "mixed_precision": precision, "threads_per_process": threads,
-                          "status": "unavailable: no bf16 instructions on this CPU (emulated bf16 is slower than "
-                                    "fp32)"})
-            continue
         log(f"scaling: {name}")
         result = subprocess.run(command, env=plain_process_env(threads), capture_output=True, text=True)
         row = {"name": name, "processes": n, "mixed_precision": precision, "threads_per_process": threads}
@@ -261,14 +258,6 @@ def launch_command(num_processes: int, mixed_precision: str, profile: str | None
     return [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
             str(num_processes), "--main_process_port", str(port), "--mixed_precision", mixed_precision,
             "-m", "accel_train", *args]
-
-
-def cpu_has_bf16() -> bool:
-    """Whether oneDNN has native bf16 kernels here (AVX512-BF16 / AMX); without them autocast only emulates."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 # 4. FLOP/s -----------------------------------------------------------------------------------------------------

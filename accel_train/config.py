@@ -42,6 +42,9 @@ class DataConfig:
     augment: bool = doc("random crop + horizontal flip on training images", default=False)
     normalize: bool = doc("standardise pixels by the dataset's mean and std (false: raw values in [0, 1], as a VAE "
                           "needs)", default=True)
+    mean: list[float] | None = doc("per-channel mean for normalize (unset: the dataset's own, or with "
+                                   "model.pretrained the weights' own)", default=None)
+    std: list[float] | None = doc("per-channel standard deviation for normalize (unset: as data.mean)", default=None)
     image_size: int | None = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
     num_workers: int = doc("DataLoader worker processes per process (file-backed datasets)", default=4)
     on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "
@@ -56,6 +59,11 @@ class ModelConfig:
                     "nn.Module, called with num_classes and image_shape where it takes them, and model.args)",
                     default="mnist_cnn")
     args: dict[str, Any] = doc("keyword arguments for a model given by import path", default_factory=dict)
+    pretrained: bool = doc("torchvision models: start from torchvision's default pretrained weights (from TORCH_HOME's "
+                           "cache, or downloaded) with a new head for the data's classes and the weights' "
+                           "normalisation", default=False)
+    freeze_backbone: bool = doc("train only the new classification head of a pretrained model (linear probing)",
+                                default=False)
     dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
     sync_batchnorm: bool = doc("synchronise BatchNorm statistics across GPUs", default=False)
     latent_size: int = doc("VAE: dimensions of the latent code z", default=16)
@@ -67,7 +75,13 @@ class ModelConfig:
 class TrainConfig:
     epochs: int = doc("passes over the training set", default=1)
     max_steps: int | None = doc("stop after this many optimizer steps (unset = no limit)", default=None)
-    batch_size: int = doc("GLOBAL batch size, split across processes: same optimization at any world size", default=64)
+    batch_size: int = doc("GLOBAL batch size per optimizer step, split across processes and accumulation steps: "
+                          "same optimization at any world size", default=64)
+    accumulation_steps: int = doc("micro-batches whose gradients add up to one optimizer step (each process takes "
+                                  "batch_size / (processes x accumulation_steps) samples per micro-batch)", default=1)
+    micro_batch_size: int | Literal["auto"] | None = doc(
+        "samples per process per micro-batch; accumulation fills up batch_size (unset: batch_size / (processes x "
+        "accumulation_steps); auto: the largest that fits in device memory, found before training)", default=None)
     eval_batch_size: int = doc("global batch size for evaluation (does not change results)", default=1000)
     lr: float = doc("peak learning rate", default=1e-3)
     optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
@@ -134,7 +148,7 @@ _POSITIVE = {
     "train.batch_size", "train.eval_batch_size", "train.lr", "train.lr_step_epochs", "train.log_every_steps",
     "model.latent_size", "model.hidden_size",
     "train.collective_timeout_s", "checkpoint.every_steps", "checkpoint.keep_last", "data.num_classes",
-    "predict.top_k", "predict.batch_size",
+    "predict.top_k", "predict.batch_size", "train.accumulation_steps", "train.micro_batch_size",
 }
 _NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma",
                  "train.clip_grad_norm", "model.beta"}
@@ -285,8 +299,17 @@ def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
     if _is_union(hint) and type(None) in args:
         if value is None or (from_text and str(value).lower() in ("null", "none", "")):
             return None
-        (hint,) = [a for a in args if a is not type(None)]
+        members = [a for a in args if a is not type(None)]
+        if len(members) > 1:  # e.g. int | Literal["auto"]: the first member the value fits
+            return _coerce_any(key, members, value, from_text)
+        (hint,) = members
         origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        value = _yaml_value(key, value) if from_text else value
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(item, (int, float)) and not isinstance(item, bool) for item in value):
+            raise UserError(f"{key}: expected a list of numbers, e.g. {key}=[0.5,0.5,0.5], got {value!r}")
+        return [float(item) for item in value]
     if _is_mapping(hint):
         value = _yaml_value(key, value) if from_text else value
         if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
@@ -323,11 +346,20 @@ def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
     raise TypeError(f"unsupported config type {hint} for {key}")
 
 
+def _coerce_any(key: str, members: list, value: Any, from_text: bool) -> Any:
+    for member in members:
+        try:
+            return _coerce(key, member, value, from_text)
+        except UserError:
+            continue
+    raise UserError(f"{key}: expected {' or '.join(_type_name(member) for member in members)}, got {value!r}")
+
+
 def _check_ranges(config: Config) -> None:
     for section in ("data", "model", "train", "checkpoint", "predict"):
         for name, value in dataclasses.asdict(getattr(config, section)).items():
             key = f"{section}.{name}"
-            if value is None or isinstance(value, dict):
+            if value is None or isinstance(value, (dict, str, list)):
                 continue
             if key in _POSITIVE and value <= 0:
                 raise UserError(f"{key}: must be greater than 0, got {value}")
@@ -344,6 +376,8 @@ def _type_name(hint: Any) -> str:
         return "|".join(_type_name(a) if a is not type(None) else "null" for a in args)
     if _is_mapping(hint):
         return "mapping"
+    if typing.get_origin(hint) is list:
+        return "list"
     return hint.__name__
 
 

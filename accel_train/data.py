@@ -292,7 +292,20 @@ def _in_memory(cfg: DataConfig, name: str, train: bool) -> Data:
 
 
 def _normalization(cfg: DataConfig, source: TorchvisionSource) -> tuple[tuple, tuple]:
-    return (source.mean, source.std) if cfg.normalize else ((0.0,) * len(source.mean), (1.0,) * len(source.std))
+    channels = len(source.mean)
+    if not cfg.normalize:
+        return (0.0,) * channels, (1.0,) * channels
+    return given_normalization(cfg, channels) or (source.mean, source.std)
+
+
+def given_normalization(cfg: DataConfig, channels: int) -> tuple[tuple, tuple] | None:
+    """data.mean / data.std (set by the user, or from pretrained weights), checked against the images' channels."""
+    if cfg.mean is None and cfg.std is None:
+        return None
+    if cfg.mean is None or cfg.std is None or len(cfg.mean) != channels or len(cfg.std) != channels:
+        raise UserError(f"data.mean={cfg.mean} and data.std={cfg.std}: give both, one value per channel of "
+                        f"{cfg.name}'s {channels}-channel images")
+    return tuple(cfg.mean), tuple(cfg.std)
 
 
 for _name in SOURCES:
@@ -329,7 +342,7 @@ def _imagefolder_transform(cfg: DataConfig, train: bool) -> v2.Compose:
                                if cfg.augment else [v2.Resize(size, antialias=True), v2.CenterCrop(size)])
     else:
         transform = v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
-    normalize = [v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)] if cfg.normalize else []
+    normalize = [v2.Normalize(*(given_normalization(cfg, 3) or (IMAGENET_MEAN, IMAGENET_STD)))] if cfg.normalize else []
     return v2.Compose([v2.PILToTensor(), v2.RGB(), transform, v2.ToDtype(torch.float32, scale=True), *normalize])
 
 
@@ -425,8 +438,10 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
         loader.dataset.set_epoch(epoch, seed)
 
 
-def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device) -> DataLoader:
-    """A loader over GLOBAL batches; Accelerate's prepare (split_batches) hands each process its slice."""
+def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device,
+                accumulation: int = 1) -> DataLoader:
+    """A loader over GLOBAL batches, or over their `accumulation` equal micro-batches; Accelerate's prepare
+    (split_batches) hands each process its slice."""
     if train and len(data.dataset) < global_batch:
         raise UserError(f"the training set has {len(data.dataset)} samples, fewer than "
                         f"train.batch_size={global_batch}; "
@@ -435,7 +450,7 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
     # stream dropout uses, and a resumed run (whose iterator starts mid-epoch) would see other dropout masks.
     # The order of samples is the seedable sampler's, a function of (seed, epoch) alone.
     generator = torch.Generator().manual_seed(0)
-    dataset = data.dataset
+    dataset, global_batch = data.dataset, global_batch // accumulation
     if data.in_memory:
         if cfg.on_device:  # no workers: a batch is a few kernels on the device, not per-image Python
             return DataLoader(dataset.to(device), batch_size=global_batch, shuffle=train, drop_last=train,

@@ -62,6 +62,9 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600) -> Accelerato
         if is_reporting_process():
             print("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32", file=sys.stderr)
         mixed_precision = "no"
+    if use_cpu and wants_fsdp() and is_reporting_process():
+        print("accel-train: warning: Accelerate runs FSDP on GPUs only; on this CPU every process holds the whole "
+              "model (DDP over a gloo group)", file=sys.stderr)
     # Without cpu=True, Accelerate on a GPU-less box under a multi-process launcher silently
     # trains N independent copies instead of joining one gloo process group.
     accelerator = Accelerator(
@@ -77,6 +80,11 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600) -> Accelerato
             f"(distributed type {accelerator.distributed_type}); check the launch profile and device visibility"
         )
     return accelerator
+
+
+def wants_fsdp() -> bool:
+    """Whether the launch profile asks for FSDP (accelerate launch exports its fsdp_config this way)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:

@@ -24,11 +24,13 @@ evaluates and ends. Observers (console, run folder, pictures) only watch, on the
 
 from __future__ import annotations
 
+from itertools import islice
 from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 
+from accel_train.accumulation import StepTerms, accumulation_steps, fit_micro_batch
 from accel_train.checkpoint import Checkpoints, check_resume
 from accel_train.config import Config
 from accel_train.data import build_dataset, make_loader, start_epoch
@@ -59,6 +61,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     check_resume(config)
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
+    accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True, given=train_dataset)
@@ -68,16 +71,20 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     model = model if model is not None else task.build_model(config, train_data)
     model = maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
     model = tune_for_device(model, accelerator.device, config.train.channels_last, config.train.compile)
+    if accumulation is None:  # micro_batch_size=auto: the largest that fits, recorded in config.yaml
+        accumulation = fit_micro_batch(config, accelerator, task, model, train_data)
+    accelerator.gradient_accumulation_steps = accumulation
     optimizer = build_optimizer(config.train, model)
-    train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device)
+    train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device, accumulation)
     eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
                               False, accelerator.device)
-    scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(train_loader))
+    steps_per_epoch = len(train_loader) // accumulation
+    scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=steps_per_epoch)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
 
-    progress = Progress(steps_per_epoch=len(train_loader), total_steps=total_steps(config.train, len(train_loader)))
+    progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch))
     checkpoints = Checkpoints(config, accelerator)
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     progress.step, progress.last_eval = start.step, start.last_eval
@@ -85,6 +92,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     if start.loop_state:
         meter.load_state_dict(start.loop_state)
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
+    step_terms = StepTerms(accumulation)
     observers = main_process_observers(config, accelerator, task, start, train_data.classes)
 
     def save(evaluated: bool) -> Path:
@@ -99,10 +107,17 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
             start_epoch(train_loader, progress.epoch, config.seed)
             # The seedable sampler's order depends on (seed, epoch) only; skipping what the checkpoint already
             # trained makes a resumed epoch see exactly the batches an uninterrupted run would.
-            skip = start.skip if progress.epoch == start.epoch else 0
-            for batch in accelerator.skip_first_batches(train_loader, skip) if skip else train_loader:
-                terms = task.training_step(model, batch)
-                accelerator.backward(terms["loss"])
+            # Micro-batches left over at the end, fewer than a step, are not trained (as drop_last drops a batch).
+            skip = accumulation * (start.skip if progress.epoch == start.epoch else 0)
+            micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            for batch in islice(micro_batches, accumulation * progress.steps_per_epoch - skip):
+                with accelerator.accumulate(model):  # no gradient all-reduce until the step's last micro-batch
+                    terms = task.training_step(model, batch)
+                    accelerator.backward(terms["loss"])  # divided by the accumulation steps
+                step_terms.add(terms)
+                if not accelerator.sync_gradients:
+                    continue
+                terms = step_terms.mean()
                 grad_norm = clip_gradients(accelerator, model, config.train.clip_grad_norm)
                 lr = scheduler.get_last_lr()[0]
                 skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from accel_train.config import ModelConfig
-from accel_train.errors import UserError
+from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 from accel_train.imports import check_call, import_object, is_given_object, is_import_path
 from accel_train.registry import Registry
 
@@ -66,6 +69,7 @@ def torchvision_model_names() -> list[str]:
 
 def check_model(cfg: ModelConfig) -> None:
     """Before any data loads: a registered or torchvision name, or an import path whose signature fits."""
+    check_pretrained(cfg)
     if is_import_path(cfg.name):
         factory = import_object(cfg.name, "model.name")
         check_call(factory, "model.name", cfg.name, "model.args", _given(None, None), cfg.args, _GIVEN)
@@ -105,6 +109,8 @@ def build_model(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[in
                         "data.num_classes")
     elif cfg.name in MODELS:
         model = MODELS.get(cfg.name)(num_classes, image_shape)
+    elif cfg.pretrained:
+        model = pretrained_model(cfg.name, num_classes, cfg.freeze_backbone)
     else:
         import torchvision
 
@@ -112,6 +118,72 @@ def build_model(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[in
     if not cfg.dropout:
         remove_dropout(model)
     return model
+
+
+def check_pretrained(cfg: ModelConfig) -> None:
+    """model.pretrained and model.freeze_backbone apply to torchvision models only."""
+    if cfg.freeze_backbone and not cfg.pretrained:
+        raise UserError("model.freeze_backbone=true needs model.pretrained=true (a backbone worth keeping)")
+    if cfg.pretrained and (cfg.name in MODELS or is_import_path(cfg.name) or is_given_object(cfg.name)):
+        raise UserError(f"model.pretrained=true: {cfg.name} is not a torchvision model; load your own weights in "
+                        "your model's constructor, or choose a torchvision model (resnet18, vgg16, ...)")
+
+
+def pretrained_weights(name: str):
+    """torchvision's default weights for `name` (an enum member: its url, categories and eval transforms)."""
+    import torchvision
+
+    return torchvision.models.get_model_weights(name).DEFAULT
+
+
+def weights_normalization(name: str) -> tuple[list[float], list[float]]:
+    """The mean and std the pretrained weights were trained with (their eval transforms')."""
+    transforms = pretrained_weights(name).transforms()
+    return list(transforms.mean), list(transforms.std)
+
+
+def pretrained_model(name: str, num_classes: int, freeze_backbone: bool) -> nn.Module:
+    """A torchvision model with its default weights from TORCH_HOME's cache (or downloaded), and a new head."""
+    import torchvision
+
+    weights = pretrained_weights(name)
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    try:
+        model = torchvision.models.get_model(name, weights=weights)
+    except OSError as err:  # URLError, HTTPError, a refused or reset connection: no network here
+        raise DataNotFoundError(f"model.pretrained=true: {cached.name} is not in {cached.parent} and downloading "
+                                f"{weights.url} failed ({str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                                f"); put the file in that folder (TORCH_HOME sets it) or allow the download") from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise UnreadableFileError(f"model.pretrained=true: {cached} is damaged ({str(err).splitlines()[0]}); delete "
+                                  "it to download it again, or replace it") from None
+    head = replace_head(model, len(weights.meta["categories"]), num_classes)
+    if freeze_backbone:
+        for parameter in model.parameters():
+            parameter.requires_grad = False
+        for parameter in head.parameters():
+            parameter.requires_grad = True
+    return model
+
+
+def replace_head(model: nn.Module, pretrained_classes: int, num_classes: int) -> nn.Module:
+    """Replace the last layer that outputs the weights' classes (Linear, or 1x1 Conv2d as in SqueezeNet) by a new
+    one for `num_classes`, initialised as torchvision initialises a fresh one. Returns the new layer."""
+    found = [(name, module) for name, module in model.named_modules()
+             if (isinstance(module, nn.Linear) and module.out_features == pretrained_classes)
+             or (isinstance(module, nn.Conv2d) and module.out_channels == pretrained_classes)]
+    if not found:
+        raise UserError(f"model.pretrained=true: no output layer of {pretrained_classes} classes found in "
+                        f"{type(model).__name__} to replace by one of {num_classes}")
+    name, old = found[-1]
+    if isinstance(old, nn.Linear):
+        new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
+    else:
+        new = nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride, old.padding,
+                        bias=old.bias is not None)
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attribute, new)
+    return new
 
 
 def remove_dropout(model: nn.Module) -> None:

@@ -70,6 +70,7 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
             model: torch.nn.Module | None = None) -> list[dict]:
     """Rows {"path", "labels", "scores"} for every input file, sorted by path; written as CSV to `output`."""
     task = task if task is not None else task_named(config.task)
+    task.check_config(config)
     convert, shape = image_converter(config.data)
     weights = weights_file(checkpoint)
     classes = class_names(checkpoint, weights)

@@ -79,19 +79,23 @@ def run_probe(*args: str, env: dict | None = None, check: bool = True,
     return _run([PYTHON, PROBE, *args], timeout, check, env)
 
 
-def _launch_command(num_processes: int, args: tuple[str, ...], profile: str, script: str | None = None) -> list[str]:
+def _launch_command(num_processes: int, args: tuple[str, ...], profile: str, script: str | None = None,
+                    launcher_args: tuple[str, ...] = ()) -> list[str]:
     target = [script] if script else ["-m", "accel_train"]
     return [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / profile),
-            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *target, *args]
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, *target,
+            *args]
 
 
 def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", timeout: int = 300,
-           check: bool = True, script: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+           check: bool = True, script: str | None = None, env: dict | None = None,
+           launcher_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`.
 
-    `script` launches that file instead of the package (a test probe wrapping the CLI).
+    `script` launches that file instead of the package (a test probe wrapping the CLI); `launcher_args` go to
+    accelerate launch (e.g. --mixed_precision no).
     """
-    return _run(_launch_command(num_processes, args, profile, script), timeout, check, env)
+    return _run(_launch_command(num_processes, args, profile, script, launcher_args), timeout, check, env)
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:

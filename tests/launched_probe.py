@@ -7,13 +7,20 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
 - `augment`: a fingerprint of the crop/flip parameters drawn for each augmented batch;
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
-  prepared by the same Accelerator setup the loop uses.
+  prepared by the same Accelerator setup the loop uses;
+- `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
+  gradients (its communication hook ran), once per micro-step.
 The recorders never change what the run computes: the fingerprint reuses the batch's own keys.
 
 Faults:
 - PROBE_NONFINITE=STEP:PROCESS makes that process's loss NaN at optimizer step STEP before backward, so the
   NaN crosses the gradient all-reduce as in life; STEP:PROCESS:grad leaves the loss finite and makes one
   gradient inf instead.
+- PROBE_OOM_ABOVE=N makes a micro-batch of more than N samples raise the device's out-of-memory error while
+  train.micro_batch_size=auto searches (as a GPU with room for N would).
+- PROBE_FSDP_ON_CPU=1: Accelerate forms FSDP only on GPUs (on CPU a FSDP profile trains with DDP); this makes
+  the Accelerator take the FSDP path anyway, with the plugin the profile describes, so the loop, checkpoints and
+  export run through FSDP2's fully_shard on a gloo group.
 - PROBE_CRASH_AFTER_SAVE=STEP ends every process (exit 1, no clean-up) right after the checkpoint of STEP,
   as a machine failure would.
 """
@@ -28,7 +35,7 @@ import torch
 from accel_train import cli, data, loop
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "augment": []}
+record = {"batches": [], "augment": [], "allreduce_at": []}
 
 _make_loader, _getitems, _crop_flip = loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip
 
@@ -49,6 +56,61 @@ def random_crop_flip(images, padding, keys):
     ramp = torch.arange(64.0).view(1, 1, 8, 8).expand(count, 1, 8, 8)
     record["augment"].append(_crop_flip(ramp, 2, keys[:count]).flatten().tolist()[::7])
     return _crop_flip(images, padding, keys)
+
+
+def record_gradient_allreduce() -> None:
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    prepare_model, forwards = Accelerator.prepare_model, {"training": 0}
+
+    def count(module, args):
+        forwards["training"] += module.training
+
+    def hook(process_group, bucket):
+        if forwards["training"] not in record["allreduce_at"]:
+            record["allreduce_at"].append(forwards["training"])
+        return allreduce_hook(process_group, bucket)
+
+    def prepare_model_with_recorder(self, model, *args, **kwargs):
+        model = prepare_model(self, model, *args, **kwargs)
+        if isinstance(model, DistributedDataParallel):
+            model.register_forward_pre_hook(count)
+            model.register_comm_hook(None, hook)
+        return model
+
+    Accelerator.prepare_model = prepare_model_with_recorder
+
+
+def out_of_memory_above(limit: int) -> None:
+    from accel_train import accumulation
+
+    try_micro_batch = accumulation.try_micro_batch
+
+    def try_or_run_out(accelerator, task, model, data, probe_data, size):
+        if size > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} samples (PROBE_OOM_ABOVE)")
+        return try_micro_batch(accelerator, task, model, data, probe_data, size)
+
+    accumulation.try_micro_batch = try_or_run_out
+
+
+def fsdp_on_cpu() -> None:
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from accel_train import distributed
+
+    make_accelerator = distributed.make_accelerator
+
+    def make_fsdp_accelerator(*args, **kwargs):
+        accelerator = make_accelerator(*args, **kwargs)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the profile's FSDP_* variables
+        return accelerator
+
+    distributed.make_accelerator = loop.make_accelerator = make_fsdp_accelerator
 
 
 def lr_traces(seed: int) -> dict:
@@ -132,6 +194,10 @@ if __name__ == "__main__":
     seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
     if os.environ.get("PROBE_NONFINITE"):
         inject_nonfinite(os.environ["PROBE_NONFINITE"])
+    if os.environ.get("PROBE_OOM_ABOVE"):
+        out_of_memory_above(int(os.environ["PROBE_OOM_ABOVE"]))
+    if os.environ.get("PROBE_FSDP_ON_CPU"):
+        fsdp_on_cpu()
     if os.environ.get("PROBE_CRASH_AFTER_SAVE"):
         crash_after_save(int(os.environ["PROBE_CRASH_AFTER_SAVE"]))
     out = os.environ.get("PROBE_DIR")
@@ -139,6 +205,7 @@ if __name__ == "__main__":
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
         loop.make_loader, data.random_crop_flip = make_loader, random_crop_flip
         data.InMemoryImages.__getitems__ = getitems
+        record_gradient_allreduce()
     try:
         cli.main(sys.argv[1:])
     except SystemExit as exit:

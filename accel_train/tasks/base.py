@@ -23,10 +23,13 @@ class Task:
     def check_config(self, config: Config) -> None:
         """Before any data loads: reject names and import paths this task cannot build."""
         from accel_train.data import check_data_name
-        from accel_train.models import check_model
+        from accel_train.models import check_model, weights_normalization
 
         check_data_name(config.data)
         check_model(config.model)
+        if config.model.pretrained and config.data.mean is None and config.data.std is None:
+            # the inputs the weights were trained on; recorded in config.yaml, so eval and predict agree
+            config.data.mean, config.data.std = weights_normalization(config.model.name)
 
     def setup(self, config: Config, data: Data) -> None:
         """Once before training, evaluation or prediction, with the data the model is built for: keep what the

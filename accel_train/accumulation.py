@@ -1,0 +1,137 @@
+"""Gradient accumulation: one optimizer step's global batch = processes x micro-batch x accumulation steps.
+
+Accelerate does the accumulating (`Accelerator.gradient_accumulation_steps`, `accelerator.accumulate(model)`:
+no gradient all-reduce on the micro-steps in between, the loss divided by the steps). This module decides
+how many steps: from `train.accumulation_steps`, from a given `train.micro_batch_size`, or, with
+`micro_batch_size: auto`, by searching for the largest micro-batch that fits in device memory with
+Accelerate's `find_executable_batch_size`. Whatever the split, the samples of one optimizer step, and so the
+optimization, are those of `train.batch_size` without accumulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import find_executable_batch_size, send_to_device
+
+from accel_train.config import Config, TrainConfig
+from accel_train.data import Data, make_loader
+from accel_train.errors import UserError
+
+
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:
+    """Micro-batches per optimizer step; None for micro_batch_size=auto (found later, with the model).
+
+    Checks that batch_size splits evenly into processes x micro-batches, naming the keys and values that would.
+    """
+    per_process = cfg.batch_size // num_processes  # its divisibility is per_process_batch's to check
+    if cfg.micro_batch_size is not None and cfg.accumulation_steps != 1:
+        raise UserError(f"train.micro_batch_size={cfg.micro_batch_size} and train.accumulation_steps="
+                        f"{cfg.accumulation_steps}: set one of them; the other follows from train.batch_size")
+    if cfg.micro_batch_size == "auto":
+        return None
+    if cfg.micro_batch_size is not None:
+        if per_process % cfg.micro_batch_size:
+            raise UserError(f"train.micro_batch_size={cfg.micro_batch_size} does not divide the {per_process} samples "
+                            f"each of {num_processes} process(es) takes per step (train.batch_size={cfg.batch_size})"
+                            f"; use one of {', '.join(map(str, divisors(per_process)))}")
+        return per_process // cfg.micro_batch_size
+    if per_process % cfg.accumulation_steps:
+        raise UserError(f"train.accumulation_steps={cfg.accumulation_steps} does not divide the {per_process} samples "
+                        f"each of {num_processes} process(es) takes per step (train.batch_size={cfg.batch_size})"
+                        f"; use one of {', '.join(map(str, divisors(per_process)))}")
+    return cfg.accumulation_steps
+
+
+class StepTerms:
+    """The terms of one optimizer step: the mean of its micro-batches' terms (each a mean over its samples).
+
+    With equal micro-batches that is the mean over the step's samples, what one batch without accumulation
+    gives; a NaN in any micro-batch stays in the mean, so the non-finite guard sees it.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, terms: dict[str, torch.Tensor]) -> None:
+        for name, value in terms.items():
+            value = value.detach()
+            self.sums[name] = value if name not in self.sums else self.sums[name] + value
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        means = {name: value / self.steps for name, value in self.sums.items()} if self.steps > 1 else self.sums
+        self.sums = {}
+        return means
+
+
+def fit_micro_batch(config: Config, accelerator: Accelerator, task, model: torch.nn.Module, data: Data) -> int:
+    """micro_batch_size=auto: find it, write it (and the accumulation steps) into the config, say it; the steps."""
+    per_process = config.train.batch_size // accelerator.num_processes
+    micro = find_micro_batch_size(config, accelerator, task, model, data)
+    config.train.micro_batch_size, config.train.accumulation_steps = micro, per_process // micro
+    accelerator.print(f"train.micro_batch_size=auto: {micro} samples per process fit in {accelerator.device.type} "
+                      f"memory; train.accumulation_steps={per_process // micro} makes up train.batch_size="
+                      f"{config.train.batch_size} over {accelerator.num_processes} process(es)")
+    return per_process // micro
+
+
+def find_micro_batch_size(config: Config, accelerator: Accelerator, task, model: torch.nn.Module, data: Data) -> int:
+    """train.micro_batch_size=auto: the largest divisor of the per-process batch with which a forward and backward
+    pass fits in device memory, agreed by every process (the smallest of their answers).
+
+    Each try is one training micro-step on real samples; the model's weights are untouched and its buffers
+    (BatchNorm statistics) restored, so the run is the one a given micro_batch_size would make. The
+    optimizer's state is not allocated yet when this runs: it needs about 2x the parameters more (Adam).
+    """
+    per_process = config.train.batch_size // accelerator.num_processes
+    sizes = divisors(per_process)
+    model.to(accelerator.device)
+    buffers = {name: value.clone() for name, value in model.named_buffers()}  # BatchNorm statistics: small
+    probe_data = dataclasses.replace(config.data, num_workers=0)
+    current = per_process
+
+    def next_smaller() -> int:
+        nonlocal current
+        current = max([size for size in sizes if size < current], default=0)
+        return current
+
+    @find_executable_batch_size(starting_batch_size=per_process, reduce_batch_size_fn=next_smaller)
+    def largest_that_fits(size: int) -> int:
+        try_micro_batch(accelerator, task, model, data, probe_data, size)
+        return size
+
+    model.train()
+    try:
+        found = largest_that_fits()
+    except RuntimeError as err:
+        if "reached zero" not in str(err):
+            raise
+        found = 0  # said below, by every process together: the others must not wait for this one
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, value in model.named_buffers():
+                value.copy_(buffers[name])
+    agreed = int(accelerator.gather(torch.tensor([found], device=accelerator.device)).min().item())
+    if not agreed:
+        raise UserError(f"train.micro_batch_size=auto: not even 1 sample per process fits in {accelerator.device.type} "
+                        "memory; use a smaller model or image size, mixed precision, or FSDP")
+    return agreed
+
+
+def try_micro_batch(accelerator: Accelerator, task, model, data: Data, probe_data, size: int) -> None:
+    """One forward and backward pass on `size` samples (the device's out-of-memory error propagates)."""
+    loader = make_loader(data, probe_data, size, False, accelerator.device)
+    batch = send_to_device(next(iter(loader)), accelerator.device)
+    with accelerator.autocast():
+        terms = task.training_step(model, batch)
+    terms["loss"].backward()
+    model.zero_grad(set_to_none=True)
+    del terms, batch
