@@ -86,6 +86,13 @@ class TrainConfig:
     lr: float = doc("peak learning rate", default=1e-3)
     optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
     weight_decay: float = doc("decoupled weight decay (adamw) or L2 penalty (adam, sgd)", default=0.01)
+    decay_norm_and_bias: bool = doc("apply weight decay to biases and normalisation weights too (false: timm's "
+                                    "convention, decay only on weights of 2 or more dimensions)", default=False)
+    ema_decay: float | None = doc("keep an exponential moving average of the weights with this decay per optimizer "
+                                  "step (e.g. 0.999): evaluated under the plain metric names, the raw model under "
+                                  "raw_*, exported as model_ema.safetensors (unset = off)", default=None)
+    label_smoothing: float = doc("classification: cross-entropy's label smoothing for training (0 = off; eval "
+                                 "loss stays plain cross-entropy)", default=0.0)
     momentum: float = doc("SGD momentum", default=0.9)
     schedule: Literal["constant", "step", "exponential", "cosine"] = doc("learning-rate schedule", default="constant")
     lr_gamma: float = doc("LR factor per decay (step: every lr_step_epochs epochs; exponential: per epoch)",
@@ -150,7 +157,8 @@ _POSITIVE = {
     "train.collective_timeout_s", "checkpoint.every_steps", "checkpoint.keep_last", "data.num_classes",
     "predict.top_k", "predict.batch_size", "train.accumulation_steps", "train.micro_batch_size",
 }
-_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma",
+_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.label_smoothing",
+                 "train.momentum", "train.warmup_steps", "train.lr_gamma",
                  "train.clip_grad_norm", "model.beta"}
 
 
@@ -365,6 +373,10 @@ def _check_ranges(config: Config) -> None:
                 raise UserError(f"{key}: must be greater than 0, got {value}")
             if key in _NON_NEGATIVE and value < 0:
                 raise UserError(f"{key}: must be 0 or more, got {value}")
+    if config.train.ema_decay is not None and not 0 < config.train.ema_decay < 1:
+        raise UserError(f"train.ema_decay: must be between 0 and 1 (e.g. 0.999), got {config.train.ema_decay}")
+    if config.train.label_smoothing >= 1:
+        raise UserError(f"train.label_smoothing: must be below 1, got {config.train.label_smoothing}")
 
 
 def _type_name(hint: Any) -> str:

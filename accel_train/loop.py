@@ -42,6 +42,7 @@ from accel_train.distributed import (
     round_up_to_world,
     run_info,
 )
+from accel_train.ema import WeightsEMA
 from accel_train.errors import DataNotFoundError, Preempted, UnreadableFileError, UserError, writing
 from accel_train.guard import NonFiniteGuard, clip_gradients
 from accel_train.meter import TrainMeter
@@ -85,6 +86,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
 
     progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch))
+    ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     checkpoints = Checkpoints(config, accelerator)
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     progress.step, progress.last_eval = start.step, start.last_eval
@@ -123,6 +125,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
                 skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                if ema:
+                    ema.update(model)
                 meter.update(terms, skipped)
                 progress.step += 1
                 last = progress.step >= progress.total_steps
@@ -139,7 +143,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
                     break
             guard.check(progress)  # nothing is evaluated past a non-finite step
             with meter.paused():
-                progress.last_eval = evaluate(accelerator, model, task, eval_loader)
+                progress.last_eval = evaluate(accelerator, model, task, eval_loader, ema)
             observers.on_eval(progress, progress.last_eval)
             stopping = signals.agreed(progress.step, now=True)
             last = progress.step >= progress.total_steps
@@ -151,6 +155,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
                 break
         with writing(Path(config.output_dir) / MODEL_FILE, "exporting the trained model"):
             accelerator.save_model(model, config.output_dir)
+            if ema:
+                ema.export(config.output_dir)
         observers.on_train_end(progress)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
     return progress.last_eval
@@ -169,13 +175,19 @@ def main_process_observers(config: Config, accelerator, task, start, classes) ->
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, task, loader) -> dict:
-    """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch."""
+def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) -> dict:
+    """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch.
+    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*."""
     model.eval()
     metric = task.new_metric()
     for batch in loader:
-        metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
-    return metric.compute()
+        with accelerator.autocast():  # the EMA's module is not prepared, so not autocast by Accelerate
+            metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
+    metrics = metric.compute()
+    if ema is None:
+        return metrics
+    raw = {f"raw_{name}": value for name, value in metrics.items() if name != "num_samples"}
+    return {**evaluate(accelerator, ema.model, task, loader), **raw}
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,

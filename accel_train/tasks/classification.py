@@ -18,12 +18,14 @@ class ClassificationTask(Task):
     top_k = 5
     report_top5 = True  # setup knows the number of classes
     predict_top_k = 1
+    label_smoothing = 0.0
 
     def setup(self, config: Config, data: Data) -> None:
         if data.num_classes is None:
             raise UserError(f"data.name={config.data.name}: the dataset gives no classes (no `classes` attribute); "
                             "set data.num_classes")
         self.report_top5 = data.num_classes > self.top_k
+        self.label_smoothing = config.train.label_smoothing
         self.predict_top_k = min(config.predict.top_k, data.num_classes)
         if data.example is not None and not _is_classification_sample(data.example):
             sample = data.example
@@ -34,7 +36,7 @@ class ClassificationTask(Task):
 
     def training_step(self, model, batch):
         images, labels = batch
-        return {"loss": F.cross_entropy(model(images), labels)}
+        return {"loss": F.cross_entropy(model(images), labels, label_smoothing=self.label_smoothing)}
 
     def eval_step(self, model, batch):
         images, labels = batch
