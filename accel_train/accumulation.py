@@ -36,17 +36,14 @@ def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:
                         f"{cfg.accumulation_steps}: set one of them; the other follows from train.batch_size")
     if cfg.micro_batch_size == "auto":
         return None
-    if cfg.micro_batch_size is not None:
-        if per_process % cfg.micro_batch_size:
-            raise UserError(f"train.micro_batch_size={cfg.micro_batch_size} does not divide the {per_process} samples "
-                            f"each of {num_processes} process(es) takes per step (train.batch_size={cfg.batch_size})"
-                            f"; use one of {', '.join(map(str, divisors(per_process)))}")
-        return per_process // cfg.micro_batch_size
-    if per_process % cfg.accumulation_steps:
-        raise UserError(f"train.accumulation_steps={cfg.accumulation_steps} does not divide the {per_process} samples "
-                        f"each of {num_processes} process(es) takes per step (train.batch_size={cfg.batch_size})"
-                        f"; use one of {', '.join(map(str, divisors(per_process)))}")
-    return cfg.accumulation_steps
+    # micro-batch x accumulation steps = per-process batch: whichever is given must divide it
+    key, given = ("train.micro_batch_size", cfg.micro_batch_size) if cfg.micro_batch_size is not None \
+        else ("train.accumulation_steps", cfg.accumulation_steps)
+    if per_process % given:
+        raise UserError(f"{key}={given} does not divide the {per_process} samples each of {num_processes} "
+                        f"process(es) takes per step (train.batch_size={cfg.batch_size}); use one of "
+                        f"{', '.join(map(str, divisors(per_process)))}")
+    return per_process // given if cfg.micro_batch_size is not None else given
 
 
 class StepTerms:

@@ -138,12 +138,13 @@ def check_devices(launch: Launch, report: Report) -> str:
     else:
         available.add("bf16")  # CPU and XPU autocast support bf16
     wanted = launch.mixed_precision
-    if device == "cpu" and wanted == "bf16" and not cpu_has_bf16():
+    native_bf16 = device != "cpu" or cpu_has_bf16()
+    if wanted == "bf16" and not native_bf16:
         report.info("mixed precision", "bf16 runs here, but this CPU has no native bf16 kernels (AVX512-BF16 or "
                                        "AMX): autocast emulates them, several times slower than fp32 (accel-train "
                                        "bench measures both); mixed_precision=no trains faster here")
     elif wanted in available:
-        native = "" if device != "cpu" else f"; native bf16 kernels: {'yes' if cpu_has_bf16() else 'no'}"
+        native = "" if device != "cpu" else f"; native bf16 kernels: {'yes' if native_bf16 else 'no'}"
         report.info("mixed precision", f"{wanted} (available here: {', '.join(sorted(available))}{native})")
     elif device == "cpu" and wanted == "fp16":
         report.info("mixed precision", "fp16 requested but unavailable on CPU: accel-train trains in fp32 "

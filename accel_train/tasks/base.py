@@ -21,7 +21,8 @@ REQUIRED = ("training_step", "eval_step", "new_metric")
 
 class Task:
     def check_config(self, config: Config) -> None:
-        """Before any data loads: reject names and import paths this task cannot build."""
+        """Before any data loads: reject names and import paths this task cannot build, and resolve what the
+        config leaves to them (the pretrained weights' normalisation)."""
         from accel_train.data import check_data_name
         from accel_train.models import check_model, weights_normalization
 
