@@ -114,10 +114,11 @@ class Checkpoints:
         """A save every checkpoint.every_steps optimizer steps."""
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
-    def due_after_eval(self, step: int, last: bool) -> bool:
+    def due_after_eval(self, step: int, last: bool, epoch_ends: bool = True) -> bool:
         """After an evaluation: at each epoch end (checkpoint.at_epoch_end), when every_steps falls there, and at
-        the end of the run when saving is on at all."""
-        return self.cfg.at_epoch_end or self.due(step) or (last and bool(self.cfg.every_steps))
+        the end of the run (the last step, or early stopping) when saving is on at all."""
+        saving = self.cfg.at_epoch_end or bool(self.cfg.every_steps)
+        return (epoch_ends and self.cfg.at_epoch_end) or self.due(step) or (last and saving)
 
     def save(self, progress: Progress, evaluated: bool, loop_state: dict) -> Path:
         accelerator, name = self.accelerator, f"step-{progress.step:08d}"

@@ -40,6 +40,12 @@ class DataConfig:
     download: bool = doc("let torchvision download the dataset when no local copy exists", default=True)
     synthetic: bool = doc("replace the dataset by torchvision FakeData of the same shape (smoke tests)", default=False)
     augment: bool = doc("random crop + horizontal flip on training images", default=False)
+    trivial_augment: bool = doc("file-backed data (imagefolder, data.on_device=false): torchvision's "
+                                "TrivialAugmentWide on training images", default=False)
+    random_erasing: float = doc("file-backed data: probability of torchvision's RandomErasing on a training image "
+                                "(0 = off)", default=0.0)
+    val_fraction: float = doc("hold out this fraction of the training set as the validation split, chosen by seed "
+                              "(0 = none; ImageFolder's own val/ beside test/ is used as it is)", default=0.0)
     normalize: bool = doc("standardise pixels by the dataset's mean and std (false: raw values in [0, 1], as a VAE "
                           "needs)", default=True)
     mean: list[float] | None = doc("per-channel mean for normalize (unset: the dataset's own, or with "
@@ -86,6 +92,20 @@ class TrainConfig:
     lr: float = doc("peak learning rate", default=1e-3)
     optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
     weight_decay: float = doc("decoupled weight decay (adamw) or L2 penalty (adam, sgd)", default=0.01)
+    decay_norm_and_bias: bool = doc("apply weight decay to biases and normalisation weights too (false: timm's "
+                                    "convention, decay only on weights of 2 or more dimensions)", default=False)
+    ema_decay: float | None = doc("keep an exponential moving average of the weights with this decay per optimizer "
+                                  "step (e.g. 0.999): evaluated under the plain metric names, the raw model under "
+                                  "raw_*, exported as model_ema.safetensors (unset = off)", default=None)
+    label_smoothing: float = doc("classification: cross-entropy's label smoothing for training (0 = off; eval "
+                                 "loss stays plain cross-entropy)", default=0.0)
+    mixup_alpha: float = doc("classification: MixUp with Beta(alpha, alpha) mixing weights (0 = off; e.g. 0.2)",
+                             default=0.0)
+    cutmix_alpha: float = doc("classification: CutMix with Beta(alpha, alpha) box areas (0 = off; e.g. 1.0)",
+                              default=0.0)
+    mix_prob: float = doc("probability that a batch is mixed at all (MixUp / CutMix)", default=1.0)
+    mix_switch_prob: float = doc("with both MixUp and CutMix on: probability that a mixed batch uses CutMix",
+                                 default=0.5)
     momentum: float = doc("SGD momentum", default=0.9)
     schedule: Literal["constant", "step", "exponential", "cosine"] = doc("learning-rate schedule", default="constant")
     lr_gamma: float = doc("LR factor per decay (step: every lr_step_epochs epochs; exponential: per epoch)",
@@ -96,6 +116,16 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = doc(
         "when the loss or gradient norm is NaN/inf on any process: stop every process (exit 5) or skip that step",
         default="stop")
+    eval_every_steps: int | None = doc("also evaluate (on the validation split) every N optimizer steps, not only "
+                                       "at each epoch end (unset = epoch ends only)", default=None)
+    early_stop_patience: int | None = doc("stop training after this many evaluations in a row without improvement "
+                                          "of early_stop_metric; every process stops at the same step and saves a "
+                                          "checkpoint (unset = off)", default=None)
+    early_stop_metric: str | None = doc("eval metric early stopping watches (unset: checkpoint.best_metric)",
+                                        default=None)
+    early_stop_mode: Literal["max", "min"] | None = doc("whether higher (max) or lower (min) early_stop_metric is "
+                                                        "better (unset: checkpoint.best_mode)", default=None)
+    early_stop_min_delta: float = doc("an improvement smaller than this does not count as one", default=0.0)
     log_every_steps: int = doc("write a train line to metrics.jsonl every N optimizer steps", default=50)
     progress_bar: bool = doc("show a tqdm progress bar on the main process", default=True)
     collective_timeout_s: int = doc("seconds a process waits for the others in a collective before the job fails "
@@ -111,8 +141,8 @@ class CheckpointConfig:
     at_epoch_end: bool = doc("save a checkpoint after each epoch's evaluation (and at the end of the run)",
                              default=True)
     keep_last: int = doc("keep the newest N checkpoints, plus the best one when best_metric is set", default=2)
-    best_metric: str | None = doc("eval metric that picks the best checkpoint to keep (e.g. accuracy; unset = none)",
-                                     default=None)
+    best_metric: str | None = doc("validation metric that picks the best checkpoint to keep and model_best.safetensors "
+                                  "to export (e.g. accuracy; unset = none)", default=None)
     best_mode: Literal["max", "min"] = doc("whether a higher (max) or lower (min) best_metric is better", default="max")
 
 
@@ -149,9 +179,13 @@ _POSITIVE = {
     "model.latent_size", "model.hidden_size",
     "train.collective_timeout_s", "checkpoint.every_steps", "checkpoint.keep_last", "data.num_classes",
     "predict.top_k", "predict.batch_size", "train.accumulation_steps", "train.micro_batch_size",
+    "train.eval_every_steps", "train.early_stop_patience",
 }
-_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.momentum", "train.warmup_steps", "train.lr_gamma",
-                 "train.clip_grad_norm", "model.beta"}
+_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.label_smoothing",
+                 "train.momentum", "train.warmup_steps", "train.lr_gamma",
+                 "train.clip_grad_norm", "model.beta", "train.mixup_alpha", "train.cutmix_alpha",
+                 "train.early_stop_min_delta"}
+_PROBABILITY = {"data.random_erasing", "train.mix_prob", "train.mix_switch_prob"}
 
 
 def list_recipes() -> dict[str, str]:
@@ -365,6 +399,17 @@ def _check_ranges(config: Config) -> None:
                 raise UserError(f"{key}: must be greater than 0, got {value}")
             if key in _NON_NEGATIVE and value < 0:
                 raise UserError(f"{key}: must be 0 or more, got {value}")
+            if key in _PROBABILITY and not 0 <= value <= 1:
+                raise UserError(f"{key}: a probability, must be between 0 and 1, got {value}")
+    if not 0 <= config.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction: must be at least 0 and below 1 (e.g. 0.1), got {config.data.val_fraction}")
+    if config.train.ema_decay is not None and not 0 < config.train.ema_decay < 1:
+        raise UserError(f"train.ema_decay: must be between 0 and 1 (e.g. 0.999), got {config.train.ema_decay}")
+    if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
+        raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
+                        "eval metric it watches, e.g. train.early_stop_metric=accuracy")
+    if config.train.label_smoothing >= 1:
+        raise UserError(f"train.label_smoothing: must be below 1, got {config.train.label_smoothing}")
 
 
 def _type_name(hint: Any) -> str:

@@ -9,6 +9,7 @@ a DataLoader runs per-sample torchvision transforms in worker processes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gzip
 import shutil
 from collections.abc import Callable
@@ -70,6 +71,11 @@ class InMemoryImages(Dataset):
         self.epoch = epoch
         self.seed = self.seed if seed is None else seed
 
+    def subset(self, indices: torch.Tensor, augment: bool) -> InMemoryImages:
+        part = copy.copy(self)
+        part.images, part.labels, part.augment = self.images[indices], self.labels[indices], augment
+        return part
+
     def to(self, device: torch.device) -> InMemoryImages:
         """A view of the same data held on `device` (one copy, made once)."""
         moved = copy.copy(self)
@@ -115,15 +121,18 @@ class PerSampleImages(Dataset):
     Serves data.on_device=false (and is the bench's input-pipeline baseline); runs in DataLoader workers.
     """
 
-    def __init__(self, source: InMemoryImages) -> None:
+    def __init__(self, source: InMemoryImages, trivial_augment: bool = False, random_erasing: float = 0.0) -> None:
         self.images, self.labels = source.images.cpu(), source.labels.cpu()
         side = self.images.shape[-1]
-        steps = [T.ToTensor()]
+        steps = [T.TrivialAugmentWide()] if trivial_augment and source.augment else []
+        steps.append(T.ToTensor())
         if source.augment:
             steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
         if source.size and source.size != side:
             steps.append(T.Resize((source.size, source.size), antialias=True))
         steps.append(T.Normalize(source.mean.flatten().tolist(), source.std.flatten().tolist()))
+        if random_erasing and source.augment:
+            steps.append(T.RandomErasing(random_erasing))
         self.transform = T.Compose(steps)
 
     def __len__(self) -> int:
@@ -314,7 +323,7 @@ for _name in SOURCES:
 
 @DATASETS.register("imagefolder")
 def imagefolder(cfg: DataConfig, train: bool) -> Data:
-    """The user's own data: data.root/train/<class>/*.jpg and data.root/val/<class>/*.jpg."""
+    """The user's own data: data.root/train/<class>/*.jpg, and data.root/test/ (or val/) the same way."""
     size = cfg.image_size or 224
     transform = _imagefolder_transform(cfg, train)
     if cfg.synthetic:
@@ -322,14 +331,18 @@ def imagefolder(cfg: DataConfig, train: bool) -> Data:
         dataset = torchvision.datasets.FakeData(count, image_size=(3, size, size), num_classes=10, transform=transform)
         return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)])
     root = Path(cfg.root)
-    _imagefolder_split(root, not train)  # report a missing train or val folder before reading either
-    split_dir = _imagefolder_split(root, train)
+    _imagefolder_split(root, not train)  # report a missing train or test folder before reading either
+    return _imagefolder_data(cfg, _imagefolder_split(root, train), transform,
+                             cfg.train_subset if train else cfg.eval_subset)
+
+
+def _imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None) -> Data:
+    size = cfg.image_size or 224
     try:
         dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=load_image)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
     classes = list(dataset.classes)
-    limit = cfg.train_subset if train else cfg.eval_subset
     if limit is not None:
         dataset = Subset(dataset, range(min(limit, len(dataset))))
     return Data(dataset, len(classes), (3, size, size), classes)
@@ -338,12 +351,15 @@ def imagefolder(cfg: DataConfig, train: bool) -> Data:
 def _imagefolder_transform(cfg: DataConfig, train: bool) -> v2.Compose:
     size = cfg.image_size or 224
     if train:
-        transform = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
-                               if cfg.augment else [v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+        transform = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if cfg.augment \
+            else [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        transform += [v2.TrivialAugmentWide()] if cfg.trivial_augment else []  # on uint8, as it expects
     else:
-        transform = v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
+        transform = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
     normalize = [v2.Normalize(*(given_normalization(cfg, 3) or (IMAGENET_MEAN, IMAGENET_STD)))] if cfg.normalize else []
-    return v2.Compose([v2.PILToTensor(), v2.RGB(), transform, v2.ToDtype(torch.float32, scale=True), *normalize])
+    erase = [v2.RandomErasing(cfg.random_erasing)] if train and cfg.random_erasing else []  # after normalising: timm's
+    return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, v2.ToDtype(torch.float32, scale=True), *normalize,
+                       *erase])
 
 
 def load_image(path: str) -> Image.Image:
@@ -355,14 +371,60 @@ def load_image(path: str) -> Image.Image:
 
 
 def _imagefolder_split(root: Path, train: bool) -> Path:
-    names = ("train",) if train else ("val", "validation", "test")
+    names = ("train",) if train else ("test", "val", "validation")
     for name in names:
         if (root / name).is_dir():
             return root / name
     raise DataNotFoundError(
         f"imagefolder: no {' / '.join(names)} folder in data.root={root}; expected "
-        f"{root}/train/<class>/<images> and {root}/val/<class>/<images>"
+        f"{root}/train/<class>/<images> and {root}/test/<class>/<images>"
     )
+
+
+def _imagefolder_own_val(cfg: DataConfig) -> Path | None:
+    """ImageFolder's val/ (or validation/) is a validation split of its own when test/ is there too."""
+    root = Path(cfg.root)
+    if cfg.name != "imagefolder" or cfg.synthetic or not (root / "test").is_dir():
+        return None
+    return next((root / name for name in ("val", "validation") if (root / name).is_dir()), None)
+
+
+def hold_out_validation(cfg: DataConfig, seed: int, train: Data) -> tuple[Data, Data | None]:
+    """(training data, validation data or None). The validation split is ImageFolder's own val/ beside test/, or
+    data.val_fraction of the training set drawn by `seed` before any process takes its share: every world size
+    holds out the same samples. It is evaluated as the test set is (no augmentation), limited by data.eval_subset."""
+    own = _imagefolder_own_val(cfg)
+    if own is not None:
+        if cfg.val_fraction:
+            raise UserError(f"data.val_fraction={cfg.val_fraction}: data.root={cfg.root} has a validation split of "
+                            f"its own ({own}); set data.val_fraction=0 to use it, or remove the folder")
+        return train, _imagefolder_data(cfg, own, _imagefolder_transform(cfg, train=False), cfg.eval_subset)
+    if not cfg.val_fraction:
+        return train, None
+    dataset, total = train.dataset, len(train.dataset)
+    count = round(total * cfg.val_fraction)
+    if not 0 < count < total:
+        raise UserError(f"data.val_fraction={cfg.val_fraction} holds out {count} of the {total} training samples; "
+                        "choose a fraction that leaves samples in both splits")
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    held, kept = order[:count].sort().values, order[count:].sort().values
+    if cfg.eval_subset is not None:
+        held = held[:cfg.eval_subset]
+    if isinstance(dataset, InMemoryImages):
+        training, validation = dataset.subset(kept, dataset.augment), dataset.subset(held, augment=False)
+    else:
+        training, validation = Subset(dataset, kept.tolist()), Subset(_as_evaluated(dataset, cfg), held.tolist())
+    return dataclasses.replace(train, dataset=training), dataclasses.replace(train, dataset=validation)
+
+
+def _as_evaluated(dataset: Dataset, cfg: DataConfig) -> Dataset:
+    """The registry's imagefolder with evaluation's transform (no augmentation); a user's dataset as it is."""
+    if cfg.name != "imagefolder":
+        return dataset
+    inner = dataset.dataset if isinstance(dataset, Subset) else dataset
+    evaluated = copy.copy(inner)
+    evaluated.transform = _imagefolder_transform(cfg, train=False)
+    return Subset(evaluated, dataset.indices) if isinstance(dataset, Subset) else evaluated
 
 
 def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None) -> Data:
@@ -380,7 +442,14 @@ def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None) ->
 
 
 def check_data_name(cfg: DataConfig) -> None:
-    """Before any data loads: a registered name, or an import path to a function that takes train= and data.args."""
+    """Before any data loads: a registered name, or an import path to a function that takes train= and data.args;
+    per-sample augmentation only where samples are transformed one by one."""
+    if (cfg.trivial_augment or cfg.random_erasing) and not (cfg.name == "imagefolder" or
+                                                            (cfg.name in SOURCES and not cfg.on_device)):
+        where = "set data.on_device=false to transform samples one by one in DataLoader workers" \
+            if cfg.name in SOURCES else "a dataset by import path applies its own transforms"
+        raise UserError(f"data.trivial_augment / data.random_erasing apply to file-backed data (imagefolder, or "
+                        f"{', '.join(SOURCES)} with data.on_device=false); data.name={cfg.name}: {where}")
     if is_import_path(cfg.name):
         factory = import_object(cfg.name, "data.name")
         check_call(factory, "data.name", cfg.name, "data.args", {"train": True}, cfg.args)
@@ -455,7 +524,7 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
         if cfg.on_device:  # no workers: a batch is a few kernels on the device, not per-image Python
             return DataLoader(dataset.to(device), batch_size=global_batch, shuffle=train, drop_last=train,
                               collate_fn=keep_batch, generator=generator)
-        dataset = PerSampleImages(dataset)
+        dataset = PerSampleImages(dataset, cfg.trivial_augment, cfg.random_erasing)
     workers = cfg.num_workers
     return DataLoader(dataset, batch_size=global_batch, shuffle=train, drop_last=train, num_workers=workers,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0, generator=generator)

@@ -33,7 +33,7 @@ from accelerate.utils import set_seed
 from accel_train.accumulation import StepTerms, accumulation_steps, fit_micro_batch
 from accel_train.checkpoint import Checkpoints, check_resume
 from accel_train.config import Config
-from accel_train.data import build_dataset, make_loader, start_epoch
+from accel_train.data import build_dataset, hold_out_validation, make_loader, start_epoch
 from accel_train.distributed import (
     StopSignals,
     make_accelerator,
@@ -42,14 +42,17 @@ from accel_train.distributed import (
     round_up_to_world,
     run_info,
 )
-from accel_train.errors import DataNotFoundError, Preempted, UnreadableFileError, UserError, writing
+from accel_train.ema import WeightsEMA
+from accel_train.errors import DataNotFoundError, Preempted, UnreadableFileError, UserError, warn, writing
 from accel_train.guard import NonFiniteGuard, clip_gradients
 from accel_train.meter import TrainMeter
 from accel_train.models import tune_for_device
 from accel_train.observers import Console, Observers, Progress
 from accel_train.optim import build_optimizer, build_scheduler, total_steps
 from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir
+from accel_train.selection import ModelSelection
 from accel_train.tasks import Task, task_named
+from accel_train.tasks.base import check_mixing
 
 
 def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | None = None,
@@ -57,6 +60,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     """Train what `config` describes; a task, model or datasets given as objects take the place of its names."""
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
+    check_mixing(task, config)
     check_output_dir(config)
     check_resume(config)
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
@@ -65,7 +69,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True, given=train_dataset)
-        eval_data = build_dataset(config.data, train=False, given=eval_dataset)
+        test_data = build_dataset(config.data, train=False, given=eval_dataset)
+    train_data, val_data = hold_out_validation(config.data, config.seed, train_data)  # None: evaluate on test
     task.setup(config, train_data)
     task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation
     model = model if model is not None else task.build_model(config, train_data)
@@ -76,33 +81,59 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     accelerator.gradient_accumulation_steps = accumulation
     optimizer = build_optimizer(config.train, model)
     train_loader = make_loader(train_data, config.data, config.train.batch_size, True, accelerator.device, accumulation)
-    eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
-                              False, accelerator.device)
+    eval_batch = round_up_to_world(config.train.eval_batch_size, accelerator)
+    test_loader = make_loader(test_data, config.data, eval_batch, False, accelerator.device)
+    val_loader = make_loader(val_data, config.data, eval_batch, False, accelerator.device) if val_data else None
     steps_per_epoch = len(train_loader) // accumulation
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=steps_per_epoch)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+    model, optimizer, train_loader, test_loader, val_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, test_loader, val_loader, scheduler)
     set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
 
     progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch))
+    ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     checkpoints = Checkpoints(config, accelerator)
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     progress.step, progress.last_eval = start.step, start.last_eval
-    meter = TrainMeter(accelerator, config.train.batch_size)
+    meter, selection = TrainMeter(accelerator, config.train.batch_size), ModelSelection(config, accelerator)
     if start.loop_state:
         meter.load_state_dict(start.loop_state)
+        selection.load_state_dict(start.loop_state.get("selection"))
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
     step_terms = StepTerms(accumulation)
     observers = main_process_observers(config, accelerator, task, start, train_data.classes)
+    selecting_split = "val" if val_loader is not None else "test"
+    if (config.checkpoint.best_metric or config.train.early_stop_patience) and val_loader is None:
+        warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
+                          "no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
+                          "validation split")
 
     def save(evaluated: bool) -> Path:
         guard.check(progress)  # never save past a non-finite step (stop policy)
         with meter.paused():
-            return checkpoints.save(progress, evaluated, meter.state_dict())
+            return checkpoints.save(progress, evaluated, {**meter.state_dict(), "selection": selection.state_dict()})
+
+    def validate(epoch_ends: bool) -> bool:
+        """Evaluate on the validation split (the test set without one), select, save when due. True: stop early."""
+        guard.check(progress)  # nothing is evaluated past a non-finite step
+        with meter.paused():
+            progress.last_eval = evaluate(accelerator, model, task, val_loader or test_loader, ema)
+        observers.on_eval(progress, progress.last_eval, selecting_split)
+        stop_early = selection.update(progress.last_eval, ema.model if ema else model)
+        stopping = signals.agreed(progress.step, now=True)
+        last = stop_early or progress.step >= progress.total_steps
+        if stopping or checkpoints.due_after_eval(progress.step, last, epoch_ends):
+            saved = save(evaluated=True)
+            if stopping:
+                raise Preempted(signals.stop_message(progress.step, saved))
+        if stop_early:
+            accelerator.print(f"{selection.describe_stop()}: stopped at step {progress.step}")
+        return stop_early
 
     with StopSignals(accelerator, config.train.collective_timeout_s) as signals:  # SIGTERM / SIGINT
         observers.on_train_start(progress)
-        for progress.epoch in range(start.epoch, config.train.epochs):
+        first_epoch = config.train.epochs if selection.stopped else start.epoch  # early stopping ended it
+        for progress.epoch in range(first_epoch, config.train.epochs):
             model.train()
             start_epoch(train_loader, progress.epoch, config.seed)
             # The seedable sampler's order depends on (seed, epoch) only; skipping what the checkpoint already
@@ -110,9 +141,10 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
             # Micro-batches left over at the end, fewer than a step, are not trained (as drop_last drops a batch).
             skip = accumulation * (start.skip if progress.epoch == start.epoch else 0)
             micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-            for batch in islice(micro_batches, accumulation * progress.steps_per_epoch - skip):
+            for number, batch in enumerate(islice(micro_batches, accumulation * progress.steps_per_epoch - skip),
+                                           start=skip):
                 with accelerator.accumulate(model):  # no gradient all-reduce until the step's last micro-batch
-                    terms = task.training_step(model, batch)
+                    terms = task.training_step(model, task.mix_batch(batch, progress.epoch, number))
                     accelerator.backward(terms["loss"])  # divided by the accumulation steps
                 step_terms.add(terms)
                 if not accelerator.sync_gradients:
@@ -123,6 +155,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
                 skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                if ema:
+                    ema.update(model)
                 meter.update(terms, skipped)
                 progress.step += 1
                 last = progress.step >= progress.total_steps
@@ -132,28 +166,28 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
                 observers.on_step_end(progress)
                 if signals.agreed(progress.step):  # SIGTERM / SIGINT on any process: all save and stop at this step
                     raise Preempted(signals.stop_message(progress.step, save(evaluated=False)))
-                epoch_ends = last or progress.step % progress.steps_per_epoch == 0  # evaluation and its save follow
-                if checkpoints.due(progress.step) and not epoch_ends:
+                if last or progress.step % progress.steps_per_epoch == 0:
+                    break  # the epoch's evaluation and its save follow
+                if config.train.eval_every_steps and progress.step % config.train.eval_every_steps == 0:
+                    if validate(epoch_ends=False):
+                        break
+                    model.train()
+                elif checkpoints.due(progress.step):
                     save(evaluated=False)
-                if last:
-                    break
-            guard.check(progress)  # nothing is evaluated past a non-finite step
-            with meter.paused():
-                progress.last_eval = evaluate(accelerator, model, task, eval_loader)
-            observers.on_eval(progress, progress.last_eval)
-            stopping = signals.agreed(progress.step, now=True)
-            last = progress.step >= progress.total_steps
-            if stopping or checkpoints.due_after_eval(progress.step, last):
-                saved = save(evaluated=True)
-                if stopping:
-                    raise Preempted(signals.stop_message(progress.step, saved))
-            if last:
+            if selection.stopped or validate(epoch_ends=True) or progress.step >= progress.total_steps:
                 break
+        final = progress.last_eval
+        if val_loader is not None:  # with a validation split, the test set is evaluated once, at the end
+            with meter.paused():
+                final = evaluate(accelerator, model, task, test_loader, ema)
+            observers.on_eval(progress, final, "test")
         with writing(Path(config.output_dir) / MODEL_FILE, "exporting the trained model"):
             accelerator.save_model(model, config.output_dir)
+            if ema:
+                ema.export(config.output_dir)
         observers.on_train_end(progress)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
-    return progress.last_eval
+    return final
 
 
 def main_process_observers(config: Config, accelerator, task, start, classes) -> Observers:
@@ -169,13 +203,19 @@ def main_process_observers(config: Config, accelerator, task, start, classes) ->
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, task, loader) -> dict:
-    """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch."""
+def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) -> dict:
+    """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch.
+    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*."""
     model.eval()
     metric = task.new_metric()
     for batch in loader:
-        metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
-    return metric.compute()
+        with accelerator.autocast():  # the EMA's module is not prepared, so not autocast by Accelerate
+            metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
+    metrics = metric.compute()
+    if ema is None:
+        return metrics
+    raw = {f"raw_{name}": value for name, value in metrics.items() if name != "num_samples"}
+    return {**evaluate(accelerator, ema.model, task, loader), **raw}
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,

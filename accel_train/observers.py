@@ -26,7 +26,7 @@ class Observer:
     def on_train_start(self, progress: Progress) -> None: ...
     def on_log(self, progress: Progress, logs: dict) -> None: ...
     def on_step_end(self, progress: Progress) -> None: ...
-    def on_eval(self, progress: Progress, metrics: dict) -> None: ...
+    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None: ...  # split: val or test
     def on_train_end(self, progress: Progress) -> None: ...
 
 
@@ -48,9 +48,9 @@ class Observers(Observer):
         for observer in self.observers:
             observer.on_step_end(progress)
 
-    def on_eval(self, progress: Progress, metrics: dict) -> None:
+    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
         for observer in self.observers:
-            observer.on_eval(progress, metrics)
+            observer.on_eval(progress, metrics, split)
 
     def on_train_end(self, progress: Progress) -> None:
         for observer in self.observers:
@@ -62,7 +62,7 @@ class Console(Observer):
 
     def __init__(self, headline: str, output_dir: str, progress_bar: bool) -> None:
         self.headline, self.output_dir, self.progress_bar = headline, output_dir, progress_bar
-        self.bar = None
+        self.bar, self.final = None, None
 
     def on_train_start(self, progress: Progress) -> None:
         from tqdm.auto import tqdm
@@ -81,14 +81,16 @@ class Console(Observer):
         if self.bar is not None:
             self.bar.update(1)
 
-    def on_eval(self, progress: Progress, metrics: dict) -> None:
-        line = f"epoch {progress.epoch} step {progress.step} eval: {shown(metrics)}"
+    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
+        self.final = f"{split} {shown(metrics)}"
+        line = f"epoch {progress.epoch} step {progress.step} {split}: {shown(metrics)}"
         (self.bar.write if self.bar is not None else print)(line)
 
     def on_train_end(self, progress: Progress) -> None:
         if self.bar is not None:
             self.bar.close()
-        print(f"done: {progress.step} steps; final eval {shown(progress.last_eval)}; config, metrics and "
+        final = self.final or f"eval {shown(progress.last_eval)}"  # no evaluation: resumed with nothing left
+        print(f"done: {progress.step} steps; final {final}; config, metrics and "
               f"model.safetensors in {self.output_dir}", flush=True)
 
 

@@ -14,8 +14,9 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     """The fused implementation: one kernel per step, and it applies the non-finite guard's decision on the
     device (`found_inf`, as GradScaler uses it), so no step waits for the host to read a flag."""
     params = [p for p in model.parameters() if p.requires_grad]
+    groups = parameter_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
     if cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
         if cfg.momentum:
             # Fused SGD creates its momentum buffers uninitialised (empty_like) on its first step and fills them
             # only if that step is applied; zeros make a skipped first step harmless and the first applied
@@ -24,7 +25,19 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
                 optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
         return optimizer
     optimizer_class = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return optimizer_class(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    return optimizer_class(groups, lr=cfg.lr, fused=True)
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and_bias: bool) -> list[dict]:
+    """The trainable parameters with weight decay, and (timm's convention) biases and normalisation weights, the
+    parameters of fewer than 2 dimensions, without: decaying them towards 0 only hurts. Empty groups are left out."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_norm_and_bias:
+        return [{"params": params, "weight_decay": weight_decay}]
+    decayed = [p for p in params if p.ndim >= 2]
+    kept = [p for p in params if p.ndim < 2]
+    return [group for group in ({"params": decayed, "weight_decay": weight_decay},
+                                {"params": kept, "weight_decay": 0.0}) if group["params"]]
 
 
 class LRFactor:

@@ -91,8 +91,8 @@ class RunFolder(Observer):
     def on_log(self, progress: Progress, logs: dict) -> None:
         self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs})
 
-    def on_eval(self, progress: Progress, metrics: dict) -> None:
-        self._write({"split": "eval", "epoch": progress.epoch, "step": progress.step, **metrics})
+    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
+        self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics})
 
     def on_train_end(self, progress: Progress) -> None:
         self.metrics.close()

@@ -8,6 +8,8 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `augment`: a fingerprint of the crop/flip parameters drawn for each augmented batch;
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses;
+- `eval_sets`: for each evaluation loader (validation, test), the (label, pixel sum) of each of its samples;
+- `saves`: the step of every checkpoint this process saved;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
 The recorders never change what the run computes: the fingerprint reuses the batch's own keys.
@@ -35,13 +37,16 @@ import torch
 from accel_train import cli, data, loop
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "augment": [], "allreduce_at": []}
+record = {"batches": [], "augment": [], "allreduce_at": [], "eval_sets": [], "saves": []}
 
 _make_loader, _getitems, _crop_flip = loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip
 
 
 def make_loader(dataset, cfg, global_batch, train, *args):
     dataset.dataset.probe_train = train
+    samples = dataset.dataset
+    if not train and hasattr(samples, "labels"):
+        record["eval_sets"].append(list(zip(samples.labels.tolist(), samples.images.flatten(1).sum(1).tolist())))
     return _make_loader(dataset, cfg, global_batch, train, *args)
 
 
@@ -111,6 +116,18 @@ def fsdp_on_cpu() -> None:
         return accelerator
 
     distributed.make_accelerator = loop.make_accelerator = make_fsdp_accelerator
+
+
+def record_saves() -> None:
+    from accel_train.checkpoint import Checkpoints
+
+    save = Checkpoints.save
+
+    def save_and_record(self, progress, *args, **kwargs):
+        record["saves"].append(progress.step)
+        return save(self, progress, *args, **kwargs)
+
+    Checkpoints.save = save_and_record
 
 
 def lr_traces(seed: int) -> dict:
@@ -206,6 +223,7 @@ if __name__ == "__main__":
         loop.make_loader, data.random_crop_flip = make_loader, random_crop_flip
         data.InMemoryImages.__getitems__ = getitems
         record_gradient_allreduce()
+        record_saves()
     try:
         cli.main(sys.argv[1:])
     except SystemExit as exit:

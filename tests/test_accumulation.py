@@ -63,7 +63,7 @@ def test_accumulation_trains_like_one_batch_of_the_same_global_size(splits, name
     assert [line["loss"] for line in lines[1]] == pytest.approx([line["loss"] for line in lines[0]], rel=1e-5)
     if SPLITS[name][0] == 1:  # micro-batches of 24 / 4 samples, never the whole batch
         assert 6 in splits[name][1] and 24 not in splits[name][1] and 24 in splits["1 process"][1]
-    evaluated = [read_metrics(folder, "eval")[-1] for folder in (reference, run)]
+    evaluated = [read_metrics(folder, "test")[-1] for folder in (reference, run)]
     assert evaluated[1]["correct"] == evaluated[0]["correct"] and evaluated[1]["num_samples"] == 101
 
 

@@ -2,9 +2,10 @@
 
 One uninterrupted run is the reference. A run stopped in any way (a crash right after a checkpoint at an
 epoch boundary or mid-epoch, SIGTERM, a killed worker, a damaged newest checkpoint) and continued with
-resume=auto must reproduce its metrics.jsonl line for line (samples_per_s aside) and its final weights bit
-for bit. Dropout and random crop/flip stay on, so the restored RNG state has to give the same masks and the
-resumed epoch the same crops; train lines every 3 steps and checkpoints every 4 put most resume points in
+resume=auto must reproduce its metrics.jsonl line for line (samples_per_s aside) and its final weights, and
+the EMA of the weights, bit for bit. Dropout, random crop/flip, MixUp/CutMix and the EMA stay on, so the
+restored RNG state has to give the same masks, the resumed epoch the same crops and mixes, and the restored
+average the same weights; train lines every 3 steps and checkpoints every 4 put most resume points in
 the middle of a line's steps, so the restored partial sums have to give the same averages.
 """
 
@@ -28,7 +29,8 @@ from conftest import PROBE, PYTHON, REPO, launch, read_metrics, run_cli, start, 
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
 RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.augment=true", "data.train_subset=240", "data.eval_subset=50",
-       "train.batch_size=24", "train.epochs=3", "train.log_every_steps=3",
+       "train.batch_size=24", "train.epochs=3", "train.log_every_steps=3", "train.ema_decay=0.9",
+       "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0",
        "checkpoint.every_steps=4", "checkpoint.keep_last=2", "checkpoint.best_metric=accuracy"]
 
 
@@ -46,9 +48,10 @@ def metrics_without_timing(out: Path) -> list[dict]:
 
 def assert_same_run(out: Path, reference: Path) -> None:
     assert metrics_without_timing(out) == metrics_without_timing(reference)
-    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+    for weights in ("model.safetensors", "model_ema.safetensors"):
+        ours, theirs = load_file(str(out / weights)), load_file(str(reference / weights))
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), weights
 
 
 def checkpoints(out: Path) -> list[tuple[Path, dict]]:
@@ -65,7 +68,7 @@ def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 2
 
 def test_checkpoints_keep_the_newest_and_the_best_and_describe_themselves(reference):
     kept = {meta["step"]: (folder, meta) for folder, meta in checkpoints(reference)}
-    evals = read_metrics(reference, "eval")
+    evals = read_metrics(reference, "test")
     best = max(evals, key=lambda line: line["accuracy"])["step"]  # the earliest of equals
     # 9 saves (every 4 steps and at each epoch end); the newest 2 remain, plus the best evaluated one
     assert set(kept) == {28, 30, best}

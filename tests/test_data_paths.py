@@ -94,7 +94,7 @@ def test_device_path_trains_and_evaluates_like_the_dataloader_path_at_3_processe
     assert [line["step"] for line in device_path] == [line["step"] for line in per_sample] == [1, 2, 3]
     for a, b in zip(device_path, per_sample):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    (eval_device,), (eval_per_sample,) = (read_metrics(tmp_path / name, "eval") for name in ("true", "false"))
+    (eval_device,), (eval_per_sample,) = (read_metrics(tmp_path / name, "test") for name in ("true", "false"))
     assert eval_device["num_samples"] == eval_per_sample["num_samples"] == 101
     assert eval_device["correct"] == eval_per_sample["correct"]
     assert eval_device["loss"] == pytest.approx(eval_per_sample["loss"], rel=1e-5)

@@ -14,11 +14,13 @@ from conftest import launch, read_metrics
 
 PROBE = "tests/launched_probe.py"
 STEPS_PER_EPOCH, EPOCHS = 3, 2
-# 77 samples = 3 global batches of 24 per epoch and 5 left over; 101 eval samples split evenly across neither
-# 2 nor 3 processes: these runs are also the uneven-size cases at 1, 2 and 3 processes.
-SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=77", "data.eval_subset=101",
-                     "model.dropout=false", "train.batch_size=24", "train.eval_batch_size=50", f"train.epochs={EPOCHS}",
-                     "train.schedule=cosine", "train.warmup_steps=2", "train.log_every_steps=1"]
+# 96 samples, 19 of them held out for validation: 77 = 3 global batches of 24 per epoch and 5 left over; 101
+# test samples (and 19 validation samples) split evenly across neither 2 nor 3 processes: these runs are also
+# the uneven-size cases at 1, 2 and 3 processes. MixUp and CutMix are on: mixing is the same at any world size.
+SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.val_fraction=0.2",
+                     "data.eval_subset=101", "model.dropout=false", "train.batch_size=24", "train.eval_batch_size=50",
+                     f"train.epochs={EPOCHS}", "train.schedule=cosine", "train.warmup_steps=2",
+                     "train.log_every_steps=1", "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0"]
 # 50 training samples leave 2 over a global batch of 24; 2 eval samples are fewer than the processes.
 UNEVEN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=50", "data.eval_subset=2", "train.batch_size=24",
           "train.eval_batch_size=4", "train.epochs=2", "train.log_every_steps=1"]
@@ -87,6 +89,17 @@ def test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs(same
     assert epochs[0] != epochs[1]
 
 
+def test_the_validation_split_holds_the_same_samples_at_1_2_and_3_processes(same_global_batch):
+    # eval_sets: (label, pixel sum) of every sample of the test loader, then of the validation loader
+    test_set, val_set = same_global_batch[1][1][0]["eval_sets"]
+    assert len(test_set) == 101 and len(val_set) == 19
+    for processes, (_, ranks) in same_global_batch.items():
+        assert all(rank["eval_sets"] == [test_set, val_set] for rank in ranks), processes
+    val_losses = {n: [line["loss"] for line in read_metrics(out, "val")] for n, (out, _) in same_global_batch.items()}
+    assert val_losses[2] == pytest.approx(val_losses[1], rel=1e-5)
+    assert val_losses[3] == pytest.approx(val_losses[1], rel=1e-5)
+
+
 def test_shuffling_is_a_function_of_seed_and_epoch():
     from torch.utils.data import TensorDataset
 
@@ -117,8 +130,9 @@ def test_augmentation_randomness_differs_between_processes(augmented_uneven):
 def test_uneven_dataset_sizes_train_and_evaluate_without_crash_or_hang(same_global_batch, augmented_uneven):
     for processes, (out, _) in same_global_batch.items():
         assert [line["step"] for line in read_metrics(out, "train")] == list(range(1, 7)), processes
-        assert [line["num_samples"] for line in read_metrics(out, "eval")] == [101, 101], processes
+        assert [line["num_samples"] for line in read_metrics(out, "val")] == [19, 19], processes
+        assert [line["num_samples"] for line in read_metrics(out, "test")] == [101], processes
     # Fewer eval samples than processes, and a training set of 2 global batches and 2 samples.
     out, _ = augmented_uneven
     assert [line["step"] for line in read_metrics(out, "train")] == [1, 2, 3, 4]
-    assert [line["num_samples"] for line in read_metrics(out, "eval")] == [2, 2]
+    assert [line["num_samples"] for line in read_metrics(out, "test")] == [2, 2]

@@ -49,7 +49,7 @@ def test_the_fsdp_export_loads_into_the_plain_model_and_evaluates_the_same(runs)
     weights = load_file(str(runs / "fsdp" / "model.safetensors"))
     MnistCNN(10, (1, 28, 28)).load_state_dict(weights)  # strict: every name and shape
     evaluated = evaluate_in_process(*RUN[:1], runs / "fsdp", *RUN[1:])
-    final = read_metrics(runs / "fsdp", "eval")[-1]
+    final = read_metrics(runs / "fsdp", "test")[-1]
     assert evaluated["correct"] == final["correct"] and evaluated["num_samples"] == 101
     assert evaluated["loss"] == pytest.approx(final["loss"], rel=1e-6)
 

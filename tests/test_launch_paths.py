@@ -140,7 +140,7 @@ def check_path(path, world_size, nodes, reference, tmp_path, evaluate=True):
     losses = [line["loss"] for line in read_metrics(out, "train")]
     expected = [line["loss"] for line in read_metrics(reference, "train")]
     assert len(losses) == STEPS and losses == pytest.approx(expected, rel=1e-5)
-    trained, reference_eval = read_metrics(out, "eval")[-1], read_metrics(reference, "eval")[-1]
+    trained, reference_eval = read_metrics(out, "test")[-1], read_metrics(reference, "test")[-1]
     assert (trained["num_samples"], trained["correct"]) == (101, reference_eval["correct"])
     assert trained["loss"] == pytest.approx(reference_eval["loss"], rel=1e-5)
     if not evaluate:

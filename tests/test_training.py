@@ -18,7 +18,7 @@ def test_fashion_mnist_loss_falls_and_the_run_folder_describes_itself(tmp_path):
     out = tmp_path / "run"
     run_cli("train", "fashion_mnist_cnn", f"output_dir={out}", "data.train_subset=3000", "data.eval_subset=1000",
             "train.epochs=2", "train.log_every_steps=10", f"data.root={tmp_path / 'data'}")
-    train_lines, eval_lines = read_metrics(out, "train"), read_metrics(out, "eval")
+    train_lines, eval_lines = read_metrics(out, "train"), read_metrics(out, "test")
     assert [line["epoch"] for line in eval_lines] == [0, 1]
     first, last = train_lines[0]["loss"], train_lines[-1]["loss"]
     assert last < 0.6 * first, (first, last)
@@ -52,7 +52,7 @@ def test_fashion_mnist_loss_falls_and_the_run_folder_describes_itself(tmp_path):
 def test_recipe_runs_one_step_on_fakedata_of_its_shape(recipe, data_name, extra, tmp_path):
     train_in_process(recipe, f"output_dir={tmp_path}", *TINY, *extra)
     (train_line,) = read_metrics(tmp_path, "train")
-    (eval_line,) = read_metrics(tmp_path, "eval")
+    (eval_line,) = read_metrics(tmp_path, "test")
     assert torch.isfinite(torch.tensor(train_line["loss"])), data_name
     assert eval_line["num_samples"] == 6 and "top5" in eval_line
 
@@ -83,7 +83,7 @@ def test_imagefolder_recipe_takes_classes_from_the_folder_and_any_torchvision_mo
     run_cli("train", "imagefolder", f"data.root={tmp_path / 'images'}", f"model.name={model_name}",
             "data.image_size=64", "data.num_workers=1", f"output_dir={out}", "train.max_steps=2",
             "train.batch_size=4", "train.eval_batch_size=5", "train.log_every_steps=1")
-    (eval_line,) = read_metrics(out, "eval")
+    (eval_line,) = read_metrics(out, "test")
     assert eval_line["num_samples"] == 12 and "top5" not in eval_line  # 3 classes: top-5 is meaningless
     head = [v for k, v in load_file(str(out / "model.safetensors")).items() if v.ndim == 2][-1]
     assert head.shape[0] == 3

@@ -233,7 +233,7 @@ def test_an_example_trains_at_1_and_2_processes_and_one_checkpoint_evaluates_ide
     recipe, overrides, eval_sizes = EXAMPLE_RUNS[example]
     for processes in (1, 2):
         launch(processes, "train", recipe, *overrides, f"output_dir={tmp_path / str(processes)}")
-    one, two = (read_metrics(tmp_path / name, "eval")[-1] for name in ("1", "2"))
+    one, two = (read_metrics(tmp_path / name, "test")[-1] for name in ("1", "2"))
     assert one["num_samples"] == two["num_samples"]
     for processes in eval_sizes:  # the 1-process run's checkpoint, evaluated by more processes
         evaluated = last_json_line(launch(processes, "eval", recipe, *overrides, f"checkpoint={tmp_path / '1'}").stdout)

@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
 
 
 def test_vae_logs_its_loss_terms_and_draws_pictures_after_each_evaluation(trained):
-    train_lines, (eval_line,) = read_metrics(trained, "train"), read_metrics(trained, "eval")
+    train_lines, (eval_line,) = read_metrics(trained, "train"), read_metrics(trained, "test")
     assert [line["step"] for line in train_lines] == [1, 2, 3]
     for line in [*train_lines, eval_line]:
         assert TERMS <= set(line) and all(math.isfinite(line[name]) for name in TERMS)
@@ -52,7 +52,7 @@ def test_vae_logs_its_loss_terms_and_draws_pictures_after_each_evaluation(traine
 
 @pytest.mark.parametrize("processes", [2, 3])  # against the plain process's evaluation of the same weights
 def test_vae_eval_terms_are_identical_at_any_world_size(trained, processes):
-    reference = read_metrics(trained, "eval")[-1]  # the same weights, evaluated by the plain 1-process run
+    reference = read_metrics(trained, "test")[-1]  # the same weights, evaluated by the plain 1-process run
     result = last_json_line(launch(processes, "eval", "mnist_vae", f"checkpoint={trained}", *SYNTHETIC).stdout)
     assert result["num_samples"] == 97
     for name in TERMS:
@@ -149,6 +149,6 @@ def test_fashion_mnist_vae_beats_a_model_that_predicts_grey_for_every_pixel(tmp_
     out = tmp_path / "run"
     train_in_process("fashion_mnist_vae", f"output_dir={out}", f"data.root={tmp_path / 'data'}",
                      "data.train_subset=1280", "data.eval_subset=500", "train.batch_size=64", "train.epochs=1")
-    (eval_line,) = read_metrics(out, "eval")
+    (eval_line,) = read_metrics(out, "test")
     grey = 28 * 28 * math.log(2)  # -log p(x) of any image under p = 0.5 per pixel, with kl = 0: 543 nats
     assert eval_line["loss"] < 0.85 * grey, eval_line  # 417 nats after these 20 steps; 526 untrained

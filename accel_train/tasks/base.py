@@ -47,6 +47,11 @@ class Task:
         """Scalar terms for this process's batch; "loss" is optimized, every term is logged."""
         raise NotImplementedError
 
+    def mix_batch(self, batch, epoch: int, number: int):
+        """The training batch the model sees (MixUp / CutMix for classification): a function of the batch, the
+        epoch and the micro-batch's number in it only, so resume and world size do not change it."""
+        return batch
+
     def eval_step(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         """Per-sample tensors (first dim = batch), gathered across processes by the loop."""
         raise NotImplementedError
@@ -66,6 +71,13 @@ class Task:
     def observers(self, config: Config) -> list:
         """Main-process observers this workload adds to a training run (e.g. pictures after each evaluation)."""
         return []
+
+
+def check_mixing(task: Task, config: Config) -> None:
+    """MixUp / CutMix asked of a task that does not mix its batches would silently train without them."""
+    if (config.train.mixup_alpha or config.train.cutmix_alpha) and type(task).mix_batch is Task.mix_batch:
+        raise UserError(f"train.mixup_alpha / train.cutmix_alpha: MixUp and CutMix mix class labels; task="
+                        f"{config.task} does not mix its batches (classification does)")
 
 
 TASKS: Registry[Task] = Registry("task", "task")

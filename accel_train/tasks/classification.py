@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from accel_train.config import Config
 from accel_train.data import Data
 from accel_train.errors import UserError
+from accel_train.mixing import BatchMixer
 from accel_train.tasks.base import TASKS, Task, WithComputeArgs
 
 
@@ -18,13 +19,20 @@ class ClassificationTask(Task):
     top_k = 5
     report_top5 = True  # setup knows the number of classes
     predict_top_k = 1
+    label_smoothing = 0.0
+    mixer = None
 
     def setup(self, config: Config, data: Data) -> None:
         if data.num_classes is None:
             raise UserError(f"data.name={config.data.name}: the dataset gives no classes (no `classes` attribute); "
                             "set data.num_classes")
         self.report_top5 = data.num_classes > self.top_k
+        self.label_smoothing = config.train.label_smoothing
         self.predict_top_k = min(config.predict.top_k, data.num_classes)
+        cfg = config.train
+        if cfg.mixup_alpha or cfg.cutmix_alpha:
+            self.mixer = BatchMixer(data.num_classes, config.seed, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_prob,
+                                    cfg.mix_switch_prob)
         if data.example is not None and not _is_classification_sample(data.example):
             sample = data.example
             shown = type(sample).__name__ if not isinstance(sample, (tuple, list)) else \
@@ -32,9 +40,12 @@ class ClassificationTask(Task):
             raise UserError(f"data.name={config.data.name}: a sample is {shown}; task=classification needs "
                             "(input tensor, integer label)")
 
+    def mix_batch(self, batch, epoch, number):
+        return self.mixer(batch, epoch, number) if self.mixer else batch
+
     def training_step(self, model, batch):
-        images, labels = batch
-        return {"loss": F.cross_entropy(model(images), labels)}
+        images, labels = batch  # labels: class indices, or class probabilities from MixUp / CutMix
+        return {"loss": F.cross_entropy(model(images), labels, label_smoothing=self.label_smoothing)}
 
     def eval_step(self, model, batch):
         images, labels = batch

@@ -147,7 +147,7 @@ class VAEPictures(Observer):
     def __init__(self, task: VAETask, output_dir: str) -> None:
         self.task, self.folder = task, Path(output_dir) / "images"
 
-    def on_eval(self, progress: Progress, metrics: dict) -> None:
+    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
         from torchvision.utils import save_image
 
         pictures = self.task.pictures
