@@ -121,6 +121,47 @@ def read_metrics(output_dir: Path, split: str) -> list[dict]:
     return [row for row in map(json.loads, lines) if row["split"] == split]
 
 
+def metrics_without_timing(output_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{key: value for key, value in line.items() if key != "samples_per_s"} for line in lines]
+
+
+def assert_same_run(out: Path, reference: Path, weights: tuple[str, ...] = ("model.safetensors",)) -> None:
+    """metrics.jsonl line for line (samples_per_s aside) and every weights file bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert metrics_without_timing(out) == metrics_without_timing(reference)
+    for name in weights:
+        ours, theirs = load_file(str(Path(out) / name)), load_file(str(Path(reference) / name))
+        assert ours.keys() == theirs.keys(), name
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *overrides: str) -> None:
+    """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
+    resume=auto, as a user would after a crash."""
+    from accel_train.checkpoint import Checkpoints
+
+    save = Checkpoints.save
+
+    def save_then_crash(self, progress, *args, **kwargs):
+        saved = save(self, progress, *args, **kwargs)
+        if progress.step == step:
+            raise Crash
+        return saved
+
+    monkeypatch.setattr(Checkpoints, "save", save_then_crash)
+    with pytest.raises(Crash):
+        train_in_process(recipe, *overrides)
+    monkeypatch.setattr(Checkpoints, "save", save)
+    train_in_process(recipe, *overrides, "resume=auto")
+
+
 def last_json_line(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 

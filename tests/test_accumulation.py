@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 from accel_train import data
-from conftest import PROBE, launch, read_metrics, train_in_process
+from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume, launch, read_metrics, train_in_process
 
 # 90 samples: 3 optimizer steps of 24 per epoch, with 18 samples left over (3 micro-batches of 6 under
 # accumulation 4, fewer than a step, as drop_last leaves a partial batch without accumulation).
@@ -74,35 +74,11 @@ def test_gradients_are_all_reduced_once_per_optimizer_step_not_per_micro_batch(s
 
 
 def test_resume_with_accumulation_stopped_mid_epoch_equals_the_uninterrupted_run(tmp_path, monkeypatch):
-    from accel_train.checkpoint import Checkpoints
-
     run = [*SAME_GLOBAL_BATCH, "train.accumulation_steps=4", "checkpoint.every_steps=2"]
     train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
-
-    class Crash(Exception):
-        pass
-
-    save = Checkpoints.save
-
-    def save_then_crash(self, progress, *args, **kwargs):
-        saved = save(self, progress, *args, **kwargs)
-        if progress.step == 4:  # mid-epoch 1, between train lines' checkpoints
-            raise Crash
-        return saved
-
-    monkeypatch.setattr(Checkpoints, "save", save_then_crash)
-    with pytest.raises(Crash):
-        train_in_process(*run, f"output_dir={tmp_path / 'resumed'}")
-    monkeypatch.setattr(Checkpoints, "save", save)
-    train_in_process(*run, f"output_dir={tmp_path / 'resumed'}", "resume=auto")
-
-    def lines(folder):
-        return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"}
-                for line in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()]
-
-    assert lines("resumed") == lines("reference")
-    ours, theirs = (load_file(str(tmp_path / folder / "model.safetensors")) for folder in ("resumed", "reference"))
-    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    # step 4: mid-epoch 1, between train lines' checkpoints
+    crash_after_checkpoint_then_resume(monkeypatch, 4, *run, f"output_dir={tmp_path / 'resumed'}")
+    assert_same_run(tmp_path / "resumed", tmp_path / "reference")
 
 
 @pytest.mark.parametrize("overrides, words", [

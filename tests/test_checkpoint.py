@@ -9,7 +9,6 @@ average the same weights; train lines every 3 steps and checkpoints every 4 put 
 the middle of a line's steps, so the restored partial sums have to give the same averages.
 """
 
-import json
 import re
 import shutil
 import signal
@@ -22,12 +21,12 @@ import psutil
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from accel_train.checkpoint import list_checkpoints, to_keep
-from conftest import PROBE, PYTHON, REPO, launch, read_metrics, run_cli, start, start_launch
+from conftest import PROBE, PYTHON, REPO, assert_same_run, launch, read_metrics, run_cli, start, start_launch
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
+WEIGHTS = ("model.safetensors", "model_ema.safetensors")
 RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.augment=true", "data.train_subset=240", "data.eval_subset=50",
        "train.batch_size=24", "train.epochs=3", "train.log_every_steps=3", "train.ema_decay=0.9",
        "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0",
@@ -39,19 +38,6 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     launch(2, *RUN, f"output_dir={out}")
     return out
-
-
-def metrics_without_timing(out: Path) -> list[dict]:
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{key: value for key, value in line.items() if key != "samples_per_s"} for line in lines]
-
-
-def assert_same_run(out: Path, reference: Path) -> None:
-    assert metrics_without_timing(out) == metrics_without_timing(reference)
-    for weights in ("model.safetensors", "model_ema.safetensors"):
-        ours, theirs = load_file(str(out / weights)), load_file(str(reference / weights))
-        assert ours.keys() == theirs.keys()
-        assert all(torch.equal(ours[key], theirs[key]) for key in ours), weights
 
 
 def checkpoints(out: Path) -> list[tuple[Path, dict]]:
@@ -94,7 +80,7 @@ def test_crashes_after_checkpoints_at_an_epoch_end_and_mid_interval_then_resume_
         assert crashed.returncode != 0 and checkpoints(tmp_path)[-1][1]["step"] == crash_after
     result = launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
     assert "step 16, epoch 1, 6 batches of it done" in result.stdout
-    assert_same_run(tmp_path, reference)
+    assert_same_run(tmp_path, reference, WEIGHTS)
 
 
 def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_equals_the_uninterrupted_run(reference, tmp_path):
@@ -111,7 +97,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_equals_the_uninte
     assert 1 <= step < TOTAL_STEPS
     assert checkpoints(tmp_path)[-1][1]["step"] == step
     launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
-    assert_same_run(tmp_path, reference)
+    assert_same_run(tmp_path, reference, WEIGHTS)
 
 
 def test_sigterm_to_a_single_process_exits_75_after_saving(tmp_path):
@@ -134,7 +120,7 @@ def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resum
     job.wait(timeout=60)
     assert job.returncode != 0 and time.monotonic() - killed < 60
     launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
-    assert_same_run(tmp_path, reference)
+    assert_same_run(tmp_path, reference, WEIGHTS)
 
 
 def test_a_truncated_newest_checkpoint_is_reported_in_one_line_and_the_previous_one_resumes(reference, tmp_path):
@@ -147,7 +133,7 @@ def test_a_truncated_newest_checkpoint_is_reported_in_one_line_and_the_previous_
     warnings = [line for line in result.stderr.splitlines() if "warning" in line and str(newest) in line]
     assert len(warnings) == 1 and "model.safetensors" in warnings[0], result.stderr
     assert f"resuming from {previous}: step {previous_meta['step']}" in result.stdout
-    assert_same_run(out, reference)
+    assert_same_run(out, reference, WEIGHTS)
 
 
 @pytest.mark.parametrize("override, words", [

@@ -17,7 +17,7 @@ from accel_train.config import load_config
 from accel_train.errors import UserError
 from accel_train.models import BatchNormCNN, MnistCNN
 from accel_train.optim import build_optimizer
-from conftest import PROBE, launch, read_metrics, train_in_process
+from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume, launch, read_metrics, train_in_process
 
 # 48 samples: 2 optimizer steps of 24 per epoch; 101 eval samples.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=101", "model.dropout=false",
@@ -70,36 +70,10 @@ def test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_
 
 
 def test_resume_with_the_ema_on_equals_the_uninterrupted_run(tmp_path, monkeypatch):
-    from accel_train.checkpoint import Checkpoints
-
     run = [*RUN, "train.epochs=2", "train.ema_decay=0.8", "checkpoint.every_steps=1"]
     train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
-
-    class Crash(Exception):
-        pass
-
-    save = Checkpoints.save
-
-    def save_then_crash(self, progress, *args, **kwargs):
-        saved = save(self, progress, *args, **kwargs)
-        if progress.step == 3:
-            raise Crash
-        return saved
-
-    monkeypatch.setattr(Checkpoints, "save", save_then_crash)
-    with pytest.raises(Crash):
-        train_in_process(*run, f"output_dir={tmp_path / 'resumed'}")
-    monkeypatch.setattr(Checkpoints, "save", save)
-    train_in_process(*run, f"output_dir={tmp_path / 'resumed'}", "resume=auto")
-
-    def lines(folder):
-        return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"}
-                for line in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()]
-
-    assert lines("resumed") == lines("reference")
-    for file in ("model.safetensors", "model_ema.safetensors"):
-        ours, theirs = (load_file(str(tmp_path / folder / file)) for folder in ("resumed", "reference"))
-        assert all(torch.equal(ours[key], theirs[key]) for key in theirs), file
+    crash_after_checkpoint_then_resume(monkeypatch, 3, *run, f"output_dir={tmp_path / 'resumed'}")
+    assert_same_run(tmp_path / "resumed", tmp_path / "reference", ("model.safetensors", "model_ema.safetensors"))
 
 
 def test_mixing_is_a_function_of_seed_epoch_and_batch_number_and_pairs_neighbouring_samples():

@@ -16,6 +16,8 @@ from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 from conftest import (
     PYTHON,
     REPO,
+    assert_same_run,
+    crash_after_checkpoint_then_resume,
     free_port,
     last_json_line,
     launch,
@@ -168,39 +170,15 @@ def test_importing_the_package_does_not_import_torch():
 
 # --- exact resume of a user's model -------------------------------------------------------------------------
 
-class Crash(Exception):
-    pass
-
-
 def test_a_user_model_resumes_exactly(tmp_path, monkeypatch):
-    from accel_train.checkpoint import Checkpoints
-
     recipe = str(EXAMPLES / "two_conv_net" / "recipe.yaml")
     run = ["data.synthetic=true", "data.augment=true", "data.train_subset=96", "data.eval_subset=30",
            "train.batch_size=12", "train.epochs=2", "train.log_every_steps=3", "checkpoint.every_steps=4",
            "model.args.width=8"]
     train_in_process(recipe, *run, f"output_dir={tmp_path / 'reference'}")
-    save = Checkpoints.save
-
-    def save_then_crash(self, progress, *args, **kwargs):
-        saved = save(self, progress, *args, **kwargs)
-        if progress.step == 8:  # epoch 0, in the middle of the train line at step 9
-            raise Crash
-        return saved
-
-    monkeypatch.setattr(Checkpoints, "save", save_then_crash)
-    with pytest.raises(Crash):
-        train_in_process(recipe, *run, f"output_dir={tmp_path / 'resumed'}")
-    monkeypatch.setattr(Checkpoints, "save", save)
-    train_in_process(recipe, *run, f"output_dir={tmp_path / 'resumed'}", "resume=auto")
-
-    def lines(folder):
-        return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"}
-                for line in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()]
-
-    assert lines("resumed") == lines("reference")
-    ours, theirs = (load_file(str(tmp_path / folder / "model.safetensors")) for folder in ("resumed", "reference"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+    # step 8: epoch 0, in the middle of the train line at step 9
+    crash_after_checkpoint_then_resume(monkeypatch, 8, recipe, *run, f"output_dir={tmp_path / 'resumed'}")
+    assert_same_run(tmp_path / "resumed", tmp_path / "reference")
 
 
 # --- the examples, at 1 and 2 processes ---------------------------------------------------------------------
