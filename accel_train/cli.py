@@ -121,7 +121,6 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "train":  # the run folder and resume=PATH answer before torch loads, as config mistakes do
         from accel_train.checkpoint import check_resume
         from accel_train.run_folder import check_output_dir
-
         from accel_train.tracking import tracker_names
 
         check_output_dir(config)

@@ -75,7 +75,7 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
         log_with=list(trackers) or None,
-        project_dir=trackers_dir,
+        project_dir=trackers_dir if trackers else None,
     )
     expected = launcher_world_size()
     if expected is not None and expected != accelerator.num_processes:

@@ -19,7 +19,7 @@ train.batch_size is global: N processes each take batch_size / N samples per opt
 specifics live in a Task (tasks/). Every point where all processes must agree is a call in this file:
 whether a step is applied (guard.py, decided on the device), when the host reads that decision and stops
 or warns (`guard.check`), when processes agree on a stop signal, when a checkpoint is saved, when the run
-evaluates and ends. Observers (console, run folder, pictures) only watch, on the main process.
+evaluates and ends. Observers (console, run folder, curves, trackers, pictures) only watch, on the main process.
 """
 
 from __future__ import annotations
