@@ -13,6 +13,8 @@ accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a ship
 accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate exported weights (a run's output_dir)
 accel-train predict RECIPE checkpoint=RUN input=PATH [output=FILE] [predict.top_k=K ...]
                                                          top labels of image files (file, folder or glob) as CSV
+accel-train runs DIR [--diff A B] [--json]               table of the runs under DIR; config keys A and B differ in
+accel-train plot RUN [RUN ...] [output=FILE]             loss, eval metrics and LR of runs, overlaid, as a PNG
 accel-train recipes                                      list shipped recipes
 accel-train keys                                         list every config key with its meaning
 accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
@@ -40,6 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
     bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides for every run")
+    runs = commands.add_parser("runs", help="table of runs: recipe, processes, precision, steps, best and final "
+                               "eval metric, wall time, samples/s")
+    runs.add_argument("folder", metavar="DIR", help="a run's output_dir, or a folder holding runs (e.g. runs)")
+    runs.add_argument("--diff", nargs=2, metavar=("A", "B"), help="the config keys two runs (folders, or names "
+                      "under DIR) differ in")
+    runs.add_argument("--json", action="store_true", help="the same as JSON, for scripts")
+    plot = commands.add_parser("plot", help="train loss, eval metrics and LR against optimizer steps, runs overlaid")
+    plot.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or folders holding runs); "
+                      "output=FILE sets the PNG (default curves.png)")
     commands.add_parser("recipes", help="list shipped recipes")
     commands.add_parser("keys", help="list config keys")
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
@@ -86,6 +97,8 @@ def _run(args: argparse.Namespace) -> None:
         from accel_train.doctor import run
 
         sys.exit(run(args))
+    if args.command in ("runs", "plot"):
+        return _look(args)
     if args.command == "keys":
         for key, type_name, text, default in describe_keys():
             print(f"{key:24s} {type_name:12s} default {default!s:10s} {text}")
@@ -108,9 +121,11 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "train":  # the run folder and resume=PATH answer before torch loads, as config mistakes do
         from accel_train.checkpoint import check_resume
         from accel_train.run_folder import check_output_dir
+        from accel_train.tracking import tracker_names
 
         check_output_dir(config)
         check_resume(config)
+        tracker_names(config.train.log_with)
 
     from accel_train import api  # imports torch: only now that the config is known to be valid
     from accel_train.distributed import is_reporting_process
@@ -126,6 +141,34 @@ def _run(args: argparse.Namespace) -> None:
         rows = api.predict(config, given["checkpoint"], given["input"], output=output)
         if is_reporting_process():
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
+
+
+def _look(args: argparse.Namespace) -> None:
+    """`runs` and `plot`: read run folders only (no torch)."""
+    from pathlib import Path
+
+    from accel_train import runs
+
+    if args.command == "plot":
+        given, folders = _arguments(args.runs, {"output": None}, "plot")
+        found = [run for folder in folders for run in runs.find_runs(Path(folder))]
+        if not found:
+            raise UserError(f"plot: no run folder (one holding config.yaml and metrics.jsonl) in {' '.join(folders)}")
+        from accel_train.plots import plot_runs
+
+        print(plot_runs(found, Path(given.get("output", "curves.png")), runs.run_names(found)), flush=True)
+        return
+    root = Path(args.folder)
+    if args.diff:
+        a, b = (runs.run_folder(name, root) for name in args.diff)
+        differences = runs.config_diff(a, b)
+        print(json.dumps([{"key": key, "a": x, "b": y} for key, x, y in differences], indent=1) if args.json
+              else runs.diff_table(*args.diff, differences))
+        return
+    found = runs.find_runs(root)
+    summaries = [runs.summarize(folder, name) for folder, name in zip(found, runs.run_names(found))]
+    print(json.dumps(summaries, indent=1) if args.json else runs.table(summaries) if summaries
+          else f"no runs under {root}")
 
 
 # Arguments a command takes as NAME=VALUE beside the config overrides: name -> what it is (None: optional).

@@ -127,7 +127,12 @@ class TrainConfig:
                                                         "better (unset: checkpoint.best_mode)", default=None)
     early_stop_min_delta: float = doc("an improvement smaller than this does not count as one", default=0.0)
     log_every_steps: int = doc("write a train line to metrics.jsonl every N optimizer steps", default=50)
-    progress_bar: bool = doc("show a tqdm progress bar on the main process", default=True)
+    progress_bar: bool = doc("show a tqdm progress bar on the main process (when stderr is a terminal)", default=True)
+    progress_every_s: float = doc("without a bar (logs that are not a terminal: CI, SLURM), print one progress line "
+                                  "every N seconds (0 = none)", default=30.0)
+    log_with: Literal["auto", "none", "tensorboard", "wandb", "mlflow", "aim"] = doc(
+        "experiment tracker fed through Accelerate with the metrics.jsonl scalars and the config (auto: tensorboard "
+        "when installed, else none); local files go to output_dir/trackers/", default="auto")
     collective_timeout_s: int = doc("seconds a process waits for the others in a collective before the job fails "
                                     "(bounds the hang when a worker dies)", default=600)
     compile: bool = doc("torch.compile the model (exported weights are unaffected)", default=False)
@@ -169,6 +174,9 @@ class Config:
     resume: str | None = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
                                 "or the path of a checkpoint folder", default=None)
 
+    # Recorded, not a key: the recipe name or file load_config read (None for a Config built in Python).
+    recipe: typing.ClassVar[str | None] = None
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -181,7 +189,7 @@ _POSITIVE = {
     "predict.top_k", "predict.batch_size", "train.accumulation_steps", "train.micro_batch_size",
     "train.eval_every_steps", "train.early_stop_patience",
 }
-_NON_NEGATIVE = {"data.num_workers", "train.weight_decay", "train.label_smoothing",
+_NON_NEGATIVE = {"data.num_workers", "train.progress_every_s", "train.weight_decay", "train.label_smoothing",
                  "train.momentum", "train.warmup_steps", "train.lr_gamma",
                  "train.clip_grad_norm", "model.beta", "train.mixup_alpha", "train.cutmix_alpha",
                  "train.early_stop_min_delta"}
@@ -202,6 +210,7 @@ def load_config(recipe: str | Config, overrides: list[str] = ()) -> Config:
         config = copy.deepcopy(recipe)
     else:
         config = _build(Config, _read_recipe(recipe), prefix="")
+        config.recipe = recipe
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
@@ -448,5 +457,5 @@ def describe_keys() -> list[tuple[str, str, str, Any]]:
 def save_config(config: Config, path: Path, run_info: dict) -> None:
     """Write the fully resolved config plus how the run was launched (world size, precision, versions)."""
     tree = config.to_dict()
-    tree["run"] = run_info
+    tree["run"] = {"recipe": config.recipe, **run_info}
     path.write_text(yaml.safe_dump(tree, sort_keys=False))

@@ -44,13 +44,15 @@ def is_reporting_process() -> bool:
     return launcher_ranks()[0] == 0
 
 
-def make_accelerator(seed: int, collective_timeout_s: float = 600) -> Accelerator:
+def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),
+                     trackers_dir: str | None = None) -> Accelerator:
     """An Accelerator that forms a real process group on whatever hardware is present.
 
     Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
     scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
     data order a function of (seed, epoch) alone. A collective that waits longer than
     `collective_timeout_s` (a peer died or hangs) fails the job instead of hanging for NCCL's 30 minutes.
+    `trackers` (Accelerate's names, e.g. tensorboard) keep their local files in `trackers_dir`.
     """
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
@@ -72,6 +74,8 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600) -> Accelerato
         mixed_precision=mixed_precision,
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
+        log_with=list(trackers) or None,
+        project_dir=trackers_dir if trackers else None,
     )
     expected = launcher_world_size()
     if expected is not None and expected != accelerator.num_processes:

@@ -19,11 +19,12 @@ train.batch_size is global: N processes each take batch_size / N samples per opt
 specifics live in a Task (tasks/). Every point where all processes must agree is a call in this file:
 whether a step is applied (guard.py, decided on the device), when the host reads that decision and stops
 or warns (`guard.check`), when processes agree on a stop signal, when a checkpoint is saved, when the run
-evaluates and ends. Observers (console, run folder, pictures) only watch, on the main process.
+evaluates and ends. Observers (console, run folder, curves, trackers, pictures) only watch, on the main process.
 """
 
 from __future__ import annotations
 
+import time
 from itertools import islice
 from pathlib import Path
 
@@ -49,21 +50,24 @@ from accel_train.meter import TrainMeter
 from accel_train.models import tune_for_device
 from accel_train.observers import Console, Observers, Progress
 from accel_train.optim import build_optimizer, build_scheduler, total_steps
-from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir
+from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir, results_of
 from accel_train.selection import ModelSelection
 from accel_train.tasks import Task, task_named
 from accel_train.tasks.base import check_mixing
+from accel_train.tracking import Trackers, tracker_names, trackers_dir
 
 
 def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | None = None,
           train_dataset=None, eval_dataset=None) -> dict:
     """Train what `config` describes; a task, model or datasets given as objects take the place of its names."""
+    started = time.perf_counter()
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     check_mixing(task, config)
     check_output_dir(config)
     check_resume(config)
-    accelerator = make_accelerator(config.seed, config.train.collective_timeout_s)
+    trackers = tracker_names(config.train.log_with)  # TensorBoard, W&B, ... through Accelerate
+    accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, trackers, trackers_dir(config))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
     set_seed(config.seed)  # the same initial weights on every process
@@ -90,7 +94,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
         model, optimizer, train_loader, test_loader, val_loader, scheduler)
     set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
 
-    progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch))
+    progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch),
+                        started=started)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     checkpoints = Checkpoints(config, accelerator)
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
@@ -99,9 +104,10 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     if start.loop_state:
         meter.load_state_dict(start.loop_state)
         selection.load_state_dict(start.loop_state.get("selection"))
+        progress.elapsed_before_s = start.loop_state.get("elapsed_s", 0.0)
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
     step_terms = StepTerms(accumulation)
-    observers = main_process_observers(config, accelerator, task, start, train_data.classes)
+    observers = main_process_observers(config, accelerator, task, start, train_data.classes, trackers)
     selecting_split = "val" if val_loader is not None else "test"
     if (config.checkpoint.best_metric or config.train.early_stop_patience) and val_loader is None:
         warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
@@ -111,7 +117,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     def save(evaluated: bool) -> Path:
         guard.check(progress)  # never save past a non-finite step (stop policy)
         with meter.paused():
-            return checkpoints.save(progress, evaluated, {**meter.state_dict(), "selection": selection.state_dict()})
+            return checkpoints.save(progress, evaluated, {**meter.state_dict(), "selection": selection.state_dict(),
+                                                          "elapsed_s": progress.elapsed_s()})
 
     def validate(epoch_ends: bool) -> bool:
         """Evaluate on the validation split (the test set without one), select, save when due. True: stop early."""
@@ -190,15 +197,19 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     return final
 
 
-def main_process_observers(config: Config, accelerator, task, start, classes) -> Observers:
+def main_process_observers(config: Config, accelerator, task, start, classes, trackers: list[str]) -> Observers:
     """Only the main process prints and writes run files; the other processes have no observers."""
     if not accelerator.is_main_process:
         return Observers([])
     info = run_info(accelerator)
     headline = (f"training {config.model.name} on {config.data.name}: {info['world_size']} process(es), "
                 f"{info['device']}, mixed precision {info['mixed_precision']}")
+    files = results_of(config, classes is not None, tracking=bool(trackers))
+    watch = f"tensorboard --logdir {trackers_dir(config)}" if "tensorboard" in trackers else None
     return Observers([RunFolder(config, info, start, classes),
-                      Console(headline, config.output_dir, config.train.progress_bar),
+                      Console(headline, config.output_dir, config.train.progress_bar, config.train.progress_every_s,
+                              files, watch),
+                      *([Trackers(accelerator, config, info, resumed_here=start.in_output_dir)] if trackers else []),
                       *task.observers(config)])
 
 

@@ -7,8 +7,10 @@ observers does not matter.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -20,6 +22,12 @@ class Progress:
     epoch: int = 0
     step: int = 0  # optimizer steps taken
     last_eval: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)  # this process's start of the run (set-up included)
+    elapsed_before_s: float = 0.0  # what the run had taken up to the checkpoint it resumed from
+
+    def elapsed_s(self) -> float:
+        """Seconds the run has taken over all its resumes (time lost after a crash's last checkpoint not counted)."""
+        return self.elapsed_before_s + time.perf_counter() - self.started
 
 
 class Observer:
@@ -58,40 +66,94 @@ class Observers(Observer):
 
 
 class Console(Observer):
-    """A tqdm bar over optimizer steps with the latest train terms, and one line per evaluation."""
+    """A tqdm bar over optimizer steps (epoch, loss, lr, samples/s), one line per evaluation, a summary at the end.
 
-    def __init__(self, headline: str, output_dir: str, progress_bar: bool) -> None:
-        self.headline, self.output_dir, self.progress_bar = headline, output_dir, progress_bar
-        self.bar, self.final = None, None
+    Where stderr is not a terminal (CI, SLURM logs) there is no bar; one progress line every `progress_every_s`
+    seconds takes its place. The loss shown is the latest train line's: the console never reads the device.
+    """
+
+    def __init__(self, headline: str, output_dir: str, progress_bar: bool, progress_every_s: float,
+                 files: list[str], watch: str | None = None) -> None:
+        self.headline, self.output_dir, self.files, self.watch = headline, output_dir, files, watch
+        self.progress_bar, self.progress_every_s = progress_bar, progress_every_s
+        self.bar, self.latest, self.epoch_shown = None, {}, None
 
     def on_train_start(self, progress: Progress) -> None:
         from tqdm.auto import tqdm
 
         print(f"{self.headline}, {progress.total_steps} steps", flush=True)
         if self.progress_bar:
-            # disable=None: no bar when stderr is not a terminal (CI logs), eval lines still print.
+            # disable=None: no bar when stderr is not a terminal; the progress lines below take its place.
             self.bar = tqdm(total=progress.total_steps, initial=progress.step, unit="step", dynamic_ncols=True,
                             disable=None)
+            if self.bar.disable:
+                self.bar = None
+        self.clock = self.printed_at = time.perf_counter()
+        self.first_step = progress.step
 
     def on_log(self, progress: Progress, logs: dict) -> None:
+        self.latest = logs
         if self.bar is not None:
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items()}, refresh=False)
+            self.bar.set_postfix_str(progress_terms(logs), refresh=False)
 
     def on_step_end(self, progress: Progress) -> None:
         if self.bar is not None:
+            if self.epoch_shown != progress.epoch:
+                self.epoch_shown = progress.epoch
+                self.bar.set_description(f"epoch {progress.epoch}", refresh=False)
             self.bar.update(1)
+        elif self.progress_every_s and time.perf_counter() - self.printed_at >= self.progress_every_s:
+            self.printed_at = time.perf_counter()
+            print(self.progress_line(progress), flush=True)
+
+    def progress_line(self, progress: Progress) -> str:
+        from accel_train.runs import duration
+
+        done = progress.step - self.first_step
+        seconds = time.perf_counter() - self.clock
+        left = (progress.total_steps - progress.step) * seconds / done if done else None
+        terms = progress_terms(self.latest)
+        return (f"epoch {progress.epoch} step {progress.step}/{progress.total_steps} "
+                f"({100 * progress.step / progress.total_steps:.0f}%){', ' + terms if terms else ''}; "
+                f"{duration(progress.elapsed_s())} elapsed, {duration(left)} left")
 
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        self.final = f"{split} {shown(metrics)}"
         line = f"epoch {progress.epoch} step {progress.step} {split}: {shown(metrics)}"
         (self.bar.write if self.bar is not None else print)(line)
 
     def on_train_end(self, progress: Progress) -> None:
+        from accel_train.runs import summarize
+
         if self.bar is not None:
             self.bar.close()
-        final = self.final or f"eval {shown(progress.last_eval)}"  # no evaluation: resumed with nothing left
-        print(f"done: {progress.step} steps; final {final}; config, metrics and "
-              f"model.safetensors in {self.output_dir}", flush=True)
+        print(summary_block(summarize(Path(self.output_dir)), self.files, self.watch), flush=True)
+
+
+def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
+    """What a user wants to know when a run ends: how long, how fast, how good, and where its files are."""
+    from accel_train.runs import duration
+
+    folder = summary["folder"]
+    speed = f"{summary['samples_per_s']:.0f} samples/s while training" if summary["samples_per_s"] else "no train line"
+    lines = [f"done: {summary['steps']} steps, {summary['epochs']} epoch(s), {summary['world_size']} process(es), "
+             f"mixed precision {summary['mixed_precision']}",
+             f"  wall time  {duration(summary['wall_s'])} ({speed})"]
+    if summary["best"]:
+        best = summary["best"]
+        lines.append(f"  best       {best['split']} {summary['metric']} {best['value']:.4f} at step {best['step']}")
+    if summary["final"]:
+        final = summary["final"]
+        lines.append(f"  final      {final['split']} {shown(final['metrics'])} (step {final['step']})")
+    lines.append(f"  files      {folder}/: {', '.join(files)}")
+    if watch:
+        lines.append(f"  watch      {watch}")
+    return "\n".join(lines)
+
+
+def progress_terms(logs: dict) -> str:
+    """What the bar and the progress lines show of the latest train line: the loss, the LR and the speed."""
+    shown_as = {"loss": "loss {:.4f}", "lr": "lr {:.3g}", "samples_per_s": "{:.0f} samples/s"}
+    return ", ".join(text.format(logs[key]) for key, text in shown_as.items() if key in logs)
 
 
 def shown(metrics: dict) -> str:

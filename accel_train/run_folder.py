@@ -10,8 +10,9 @@ from accel_train.checkpoint import ResumePoint, checkpoints_dir
 from accel_train.config import Config, save_config
 from accel_train.errors import UserError, storage_error, writing
 from accel_train.observers import Observer, Progress
+from accel_train.runs import CONFIG_FILE, METRICS_FILE
 
-CONFIG_FILE, METRICS_FILE, MODEL_FILE = "config.yaml", "metrics.jsonl", "model.safetensors"
+MODEL_FILE = "model.safetensors"
 CLASSES_FILE = "classes.json"  # the class names, so predict needs nothing but the run folder
 
 
@@ -38,6 +39,19 @@ def check_output_dir(config: Config) -> None:
             f"resume={config.resume} is not one of its checkpoints, so its results would be overwritten"
         raise UserError(f"output_dir={config.output_dir} already holds a run ({', '.join(held)}): {how}, or pass a "
                         "new output_dir (delete this one to start over)")
+
+
+def results_of(config: Config, has_classes: bool, tracking: bool) -> list[str]:
+    """What a finished run leaves in its output_dir, for the summary it prints."""
+    from accel_train.ema import EMA_FILE
+    from accel_train.plots import CURVES_FILE
+    from accel_train.selection import BEST_FILE
+
+    files = [MODEL_FILE, *([EMA_FILE] if config.train.ema_decay else []),
+             *([BEST_FILE] if config.checkpoint.best_metric else []), METRICS_FILE, CURVES_FILE, CONFIG_FILE,
+             *([CLASSES_FILE] if has_classes else []),
+             *(["checkpoints/"] if config.checkpoint.at_epoch_end or config.checkpoint.every_steps else [])]
+    return files + (["trackers/"] if tracking else [])
 
 
 def held_results(folder: Path) -> list[str]:
@@ -89,13 +103,19 @@ class RunFolder(Observer):
                 self.metrics = open(path, "w", buffering=1)
 
     def on_log(self, progress: Progress, logs: dict) -> None:
-        self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs})
+        self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs,
+                     "elapsed_s": round(progress.elapsed_s(), 3)})
 
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics})
+        self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics,
+                     "elapsed_s": round(progress.elapsed_s(), 3)})
 
     def on_train_end(self, progress: Progress) -> None:
+        from accel_train.plots import CURVES_FILE, plot_runs
+
         self.metrics.close()
+        with writing(self.folder / CURVES_FILE, "drawing curves.png"):
+            plot_runs([self.folder], self.folder / CURVES_FILE, [self.folder.name])
 
     def _write(self, line: dict) -> None:
         with writing(self.metrics.name, "writing metrics.jsonl"):

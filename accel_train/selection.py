@@ -94,6 +94,8 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: Path)
     staging = path.parent / f".{path.stem}"
     with writing(path, f"exporting {path.name}"):
         accelerator.save_model(model, str(staging))
+        # save_model lists the folder on every process: none may still be in it when the main one removes it.
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             os.replace(staging / "model.safetensors", path)
             shutil.rmtree(staging, ignore_errors=True)

@@ -123,11 +123,11 @@ def read_metrics(output_dir: Path, split: str) -> list[dict]:
 
 def metrics_without_timing(output_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{key: value for key, value in line.items() if key != "samples_per_s"} for line in lines]
+    return [{key: value for key, value in line.items() if key not in ("samples_per_s", "elapsed_s")} for line in lines]
 
 
 def assert_same_run(out: Path, reference: Path, weights: tuple[str, ...] = ("model.safetensors",)) -> None:
-    """metrics.jsonl line for line (samples_per_s aside) and every weights file bit for bit."""
+    """metrics.jsonl line for line (timings aside) and every weights file bit for bit."""
     import torch
     from safetensors.torch import load_file
 
@@ -142,9 +142,10 @@ class Crash(Exception):
     pass
 
 
-def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *overrides: str) -> None:
+def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *overrides: str,
+                                       resume: str = "auto") -> None:
     """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
-    resume=auto, as a user would after a crash."""
+    resume=auto (or the checkpoint `resume` names), as a user would after a crash."""
     from accel_train.checkpoint import Checkpoints
 
     save = Checkpoints.save
@@ -159,7 +160,7 @@ def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *ove
     with pytest.raises(Crash):
         train_in_process(recipe, *overrides)
     monkeypatch.setattr(Checkpoints, "save", save)
-    train_in_process(recipe, *overrides, "resume=auto")
+    train_in_process(recipe, *overrides, f"resume={resume}")
 
 
 def last_json_line(stdout: str) -> dict:

@@ -197,8 +197,8 @@ EXAMPLE_RUNS = {
 
 def same_metrics(a: dict, b: dict) -> None:
     """Identical metrics: the same names and counts, and floats equal but for summation order (1e-6)."""
-    names = a.keys() - {"split", "epoch", "step"}
-    assert names == b.keys() - {"split", "epoch", "step"}
+    names = a.keys() - {"split", "epoch", "step", "elapsed_s"}
+    assert names == b.keys() - {"split", "epoch", "step", "elapsed_s"}
     for name in names:
         if isinstance(b[name], float):
             assert a[name] == pytest.approx(b[name], rel=1e-6), name

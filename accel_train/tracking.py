@@ -1,0 +1,90 @@
+"""Experiment trackers (TensorBoard, W&B, MLflow, Aim) through Accelerate's own tracking API.
+
+They receive the scalars of metrics.jsonl at the same optimizer steps (train terms, lr, samples/s, eval metrics,
+tagged `train/loss`, `val/accuracy`, ...) and the resolved config as hyperparameters. metrics.jsonl stays the
+record of a run; a tracker is a view of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from accel_train.config import Config
+from accel_train.errors import UserError
+from accel_train.observers import Observer, Progress
+
+TRACKERS_DIR = "trackers"  # under output_dir: every tracker's local files (TensorBoard events, mlruns, .aim)
+PROJECT = "accel-train"  # the project (W&B, Aim) or experiment (MLflow); TensorBoard's folder under trackers/
+# train.log_with -> (the package it needs, how to get it)
+PACKAGES = {"tensorboard": ("tensorboard", "pip install 'accel-train[tensorboard]'"),
+            "wandb": ("wandb", "pip install wandb"), "mlflow": ("mlflow", "pip install mlflow"),
+            "aim": ("aim", "pip install aim")}
+
+
+def tracker_names(log_with: str) -> list[str]:
+    """Accelerate's tracker names for train.log_with; a named tracker that is not installed is an error, not a
+    silent run without it (Accelerate itself only warns)."""
+    if log_with == "none":
+        return []
+    if log_with == "auto":
+        return ["tensorboard"] if installed("tensorboard") else []
+    package, how = PACKAGES[log_with]
+    if not installed(package):
+        raise UserError(f"train.log_with={log_with}: {package} is not installed ({how}); or set train.log_with=none")
+    return [log_with]
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def trackers_dir(config: Config) -> str:
+    return str(Path(config.output_dir) / TRACKERS_DIR)
+
+
+class Trackers(Observer):
+    """Feeds Accelerate's trackers on the main process; Accelerator.end_training closes them."""
+
+    def __init__(self, accelerator, config: Config, launch_info: dict, resumed_here: bool) -> None:
+        self.accelerator, self.config, self.launch_info = accelerator, config, launch_info
+        self.resumed_here = resumed_here  # resumed from a checkpoint of this output_dir: its events are there
+
+    def on_train_start(self, progress: Progress) -> None:
+        name = Path(self.config.output_dir).name
+        init_kwargs = {"wandb": {"name": name}, "mlflow": {"run_name": name}}
+        if self.resumed_here:
+            # As metrics.jsonl drops the lines written after the checkpoint, TensorBoard drops those events.
+            init_kwargs["tensorboard"] = {"purge_step": progress.step + 1}
+        self.accelerator.init_trackers(PROJECT, config=hyperparameters(self.config, self.launch_info),
+                                       init_kwargs=init_kwargs)
+
+    def on_log(self, progress: Progress, logs: dict) -> None:
+        self.accelerator.log(scalars("train", logs), step=progress.step)
+
+    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
+        self.accelerator.log(scalars(split, metrics), step=progress.step)
+
+
+def scalars(split: str, values: dict) -> dict[str, float]:
+    return {f"{split}/{key}": value for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def hyperparameters(config: Config, launch_info: dict) -> dict:
+    """The resolved config as flat `section.key` values of the types trackers take (lists and mappings as JSON)."""
+    tree = {**config.to_dict(), "run": {"recipe": config.recipe, "world_size": launch_info["world_size"],
+                                        "mixed_precision": launch_info["mixed_precision"]}}
+    flat = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value and key != "args":
+                walk(value, f"{prefix}{key}.")
+            elif isinstance(value, (dict, list)):
+                flat[prefix + key] = json.dumps(value)
+            elif value is not None:
+                flat[prefix + key] = value
+    walk(tree, "")
+    return flat

@@ -1,0 +1,148 @@
+"""Contracts of watching a run: TensorBoard through Accelerate's trackers holds exactly metrics.jsonl's scalars,
+curves.png and `accel-train plot` draw them, `accel-train runs` tabulates and compares runs, and the console
+prints progress without a terminal and a summary at the end."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from accel_train.errors import UserError
+from accel_train.tracking import installed, tracker_names
+from conftest import crash_after_checkpoint_then_resume, read_metrics, run_cli, train_in_process
+
+# 256 synthetic samples, a quarter held out for validation: 6 optimizer steps of 32 per epoch; 100 test samples.
+RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=256", "data.val_fraction=0.25",
+       "data.eval_subset=100", "model.dropout=false", "train.batch_size=32", "train.eval_batch_size=50",
+       "train.log_every_steps=1"]
+NOT_SCALARS = ("split", "epoch", "step", "elapsed_s")
+
+
+def scalars_of_metrics_jsonl(out) -> dict[str, list[tuple[int, float]]]:
+    expected: dict[str, list] = {}
+    for line in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        for key, value in line.items():
+            if key not in NOT_SCALARS:
+                expected.setdefault(f"{line['split']}/{key}", []).append((line["step"], value))
+    return expected
+
+
+@pytest.mark.skipif(not installed("tensorboard"), reason="tensorboard not installed (it is in the dev extra)")
+def test_tensorboard_holds_the_scalars_of_metrics_jsonl_at_their_steps_also_after_a_crash_and_resume(
+        tmp_path, monkeypatch, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    # The run dies after its step-8 checkpoint and is resumed from step 6: what it logged at steps 7 and 8
+    # must not stay twice in TensorBoard (nor in metrics.jsonl).
+    crash_after_checkpoint_then_resume(monkeypatch, 8, *RUN, "train.epochs=2", "checkpoint.every_steps=4",
+                                       f"output_dir={out}", "train.progress_every_s=0.001",
+                                       resume=str(out / "checkpoints" / "step-00000006"))
+    events = EventAccumulator(str(out / "trackers" / "accel-train"))
+    events.Reload()
+    logged = {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    expected = scalars_of_metrics_jsonl(out)
+    assert [step for step, _ in expected["train/loss"]] == list(range(1, 13))
+    assert logged.keys() == expected.keys()
+    for tag, points in expected.items():
+        assert [step for step, _ in logged[tag]] == [step for step, _ in points], tag
+        assert [value for _, value in logged[tag]] == pytest.approx([value for _, value in points], rel=1e-6), tag
+    (hparams, *_) = sorted((out / "trackers" / "accel-train").glob("*/hparams.yml"))
+    recorded = yaml.safe_load(hparams.read_text())
+    assert recorded["train.batch_size"] == 32 and recorded["data.val_fraction"] == 0.25
+    assert recorded["run.world_size"] == 1 and recorded["run.recipe"] == "mnist_cnn"
+
+    printed = capsys.readouterr().out.split("training mnist_cnn")[-1]  # the resumed run's console
+    progress = [line for line in printed.splitlines() if line.startswith("epoch 1 step ") and "/12 (" in line]
+    assert progress and all("loss " in line and "lr " in line and "samples/s" in line for line in progress[1:])
+    summary = printed[printed.index("done: "):].splitlines()
+    val = read_metrics(out, "val")
+    best = max(val, key=lambda line: line["accuracy"])
+    (test,) = read_metrics(out, "test")
+    assert summary[0].startswith("done: 12 steps, 2 epoch(s), 1 process(es), mixed precision no")
+    assert summary[1].startswith("  wall time ") and "samples/s while training" in summary[1]
+    assert summary[2].split() == ["best", "val", "accuracy", f"{best['accuracy']:.4f}", "at", "step",
+                                  str(best["step"])]
+    assert summary[3].startswith(f"  final      test num_samples 100, loss {test['loss']:.4f}")
+    assert f"{out}/: model.safetensors" in summary[4] and "curves.png" in summary[4] and "trackers/" in summary[4]
+    assert summary[5] == f"  watch      tensorboard --logdir {out / 'trackers'}"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two finished runs under one folder that differ in the LR and in their tracker."""
+    root = tmp_path_factory.mktemp("runs")
+    train_in_process(*RUN, "train.epochs=2", f"output_dir={root / 'base'}")
+    train_in_process(*RUN, "train.epochs=1", "train.lr=0.003", "train.log_with=none", f"output_dir={root / 'fast'}")
+    return root
+
+
+def test_runs_tabulates_every_run_under_a_folder_from_its_own_files(two_runs):
+    table = run_cli("runs", str(two_runs)).stdout.splitlines()
+    assert table[0].split() == ["run", "recipe", "procs", "precision", "steps", "metric", "best", "(step)", "final",
+                                "wall", "samples/s"]
+    rows = {row.split()[0]: row.split() for row in table[1:]}
+    assert rows.keys() == {"base", "fast"}
+    for name, steps in (("base", "12"), ("fast", "6")):
+        val, (test,) = read_metrics(two_runs / name, "val"), read_metrics(two_runs / name, "test")
+        best = max(val, key=lambda line: line["accuracy"])
+        assert rows[name][1:7] == ["mnist_cnn", "1", "no", steps, "accuracy", f"{best['accuracy']:.4f}"]
+        assert rows[name][7:9] == [f"({best['step']})", f"{test['accuracy']:.4f}"]
+
+    summaries = {s["name"]: s for s in json.loads(run_cli("runs", str(two_runs), "--json").stdout)}
+    base = summaries["base"]
+    lines = [json.loads(line) for line in (two_runs / "base" / "metrics.jsonl").read_text().splitlines()]
+    rates = [line["samples_per_s"] for line in lines if line["split"] == "train"]
+    assert base["steps"] == 12 and base["epochs"] == 2 and base["world_size"] == 1
+    assert base["final"]["split"] == "test" and base["final"]["metrics"]["num_samples"] == 100
+    assert base["wall_s"] == lines[-1]["elapsed_s"] > 0
+    assert min(rates) <= base["samples_per_s"] <= max(rates)
+
+
+def test_runs_diff_names_exactly_the_config_keys_two_runs_differ_in(two_runs):
+    differences = json.loads(run_cli("runs", str(two_runs), "--diff", "base", "fast", "--json").stdout)
+    assert differences == [{"key": "train.epochs", "a": 2, "b": 1}, {"key": "train.log_with", "a": "auto", "b": "none"},
+                           {"key": "train.lr", "a": 0.001, "b": 0.003}]
+    table = run_cli("runs", str(two_runs), "--diff", str(two_runs / "base"), str(two_runs / "fast")).stdout
+    assert "train.lr" in table and "0.003" in table and "output_dir" not in table
+    missing = run_cli("runs", str(two_runs), "--diff", "base", "nothing", check=False)
+    assert missing.returncode != 0 and "nothing: not a run folder" in missing.stderr
+
+
+def colour_share(png, rgb) -> float:
+    pixels = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    return float((np.abs(pixels - np.array(rgb)).sum(axis=-1) < 30).mean())
+
+
+BLUE, ORANGE, WHITE = (31, 119, 180), (255, 127, 14), (255, 255, 255)  # matplotlib's C0 and C1: runs 1 and 2
+
+
+def test_training_draws_curves_png_and_plot_overlays_several_runs(two_runs, tmp_path):
+    own = two_runs / "base" / "curves.png"
+    assert colour_share(own, WHITE) < 0.97 and colour_share(own, BLUE) > 0.001 and colour_share(own, ORANGE) == 0
+
+    picture = tmp_path / "both.png"
+    printed = run_cli("plot", str(two_runs / "base"), str(two_runs / "fast"), f"output={picture}").stdout
+    assert printed.strip() == str(picture)
+    width, height = Image.open(picture).size
+    assert width >= 800 and height >= 400
+    assert colour_share(picture, BLUE) > 0.001 and colour_share(picture, ORANGE) > 0.001
+
+    from_folder = tmp_path / "folder.png"
+    run_cli("plot", str(two_runs), f"output={from_folder}")  # a folder holding runs: each of them
+    assert colour_share(from_folder, ORANGE) > 0.001
+    nothing = run_cli("plot", str(tmp_path / "empty"), check=False)
+    assert nothing.returncode != 0 and "no such folder" in nothing.stderr
+
+
+def test_log_with_none_writes_no_tracker_files_and_a_missing_tracker_is_named(two_runs):
+    assert (two_runs / "base" / "trackers").is_dir() == installed("tensorboard")
+    assert not (two_runs / "fast" / "trackers").exists()
+    assert tracker_names("none") == []
+    for name, package in (("wandb", "wandb"), ("mlflow", "mlflow"), ("aim", "aim")):
+        if installed(package):
+            continue
+        with pytest.raises(UserError, match=f"train.log_with={name}: {package} is not installed"):
+            tracker_names(name)
