@@ -123,9 +123,9 @@ def _run(args: argparse.Namespace) -> None:
         from accel_train.run_folder import check_output_dir
         from accel_train.tracking import tracker_names
 
+        tracker_names(config.train.log_with)  # before check_output_dir creates the folder
         check_output_dir(config)
         check_resume(config)
-        tracker_names(config.train.log_with)
 
     from accel_train import api  # imports torch: only now that the config is known to be valid
     from accel_train.distributed import is_reporting_process
@@ -154,9 +154,12 @@ def _look(args: argparse.Namespace) -> None:
         found = [run for folder in folders for run in runs.find_runs(Path(folder))]
         if not found:
             raise UserError(f"plot: no run folder (one holding config.yaml and metrics.jsonl) in {' '.join(folders)}")
+        from accel_train.errors import writing
         from accel_train.plots import plot_runs
 
-        print(plot_runs(found, Path(given.get("output", "curves.png")), runs.run_names(found)), flush=True)
+        output = Path(given.get("output", "curves.png"))
+        with writing(output, "drawing the plot", "choose another output=FILE"):
+            print(plot_runs(found, output, runs.run_names(found)), flush=True)
         return
     root = Path(args.folder)
     if args.diff:

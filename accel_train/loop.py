@@ -64,9 +64,9 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     check_mixing(task, config)
+    trackers = tracker_names(config.train.log_with)  # TensorBoard, W&B, ... through Accelerate
     check_output_dir(config)
     check_resume(config)
-    trackers = tracker_names(config.train.log_with)  # TensorBoard, W&B, ... through Accelerate
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, trackers, trackers_dir(config))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accel_train.runs import duration, summarize
+
 
 @dataclass
 class Progress:
@@ -107,8 +109,6 @@ class Console(Observer):
             print(self.progress_line(progress), flush=True)
 
     def progress_line(self, progress: Progress) -> str:
-        from accel_train.runs import duration
-
         done = progress.step - self.first_step
         seconds = time.perf_counter() - self.clock
         left = (progress.total_steps - progress.step) * seconds / done if done else None
@@ -122,8 +122,6 @@ class Console(Observer):
         (self.bar.write if self.bar is not None else print)(line)
 
     def on_train_end(self, progress: Progress) -> None:
-        from accel_train.runs import summarize
-
         if self.bar is not None:
             self.bar.close()
         print(summary_block(summarize(Path(self.output_dir)), self.files, self.watch), flush=True)
@@ -131,8 +129,6 @@ class Console(Observer):
 
 def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
     """What a user wants to know when a run ends: how long, how fast, how good, and where its files are."""
-    from accel_train.runs import duration
-
     folder = summary["folder"]
     speed = f"{summary['samples_per_s']:.0f} samples/s while training" if summary["samples_per_s"] else "no train line"
     lines = [f"done: {summary['steps']} steps, {summary['epochs']} epoch(s), {summary['world_size']} process(es), "

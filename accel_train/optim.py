@@ -13,7 +13,6 @@ from accel_train.config import TrainConfig
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The fused implementation: one kernel per step, and it applies the non-finite guard's decision on the
     device (`found_inf`, as GradScaler uses it), so no step waits for the host to read a flag."""
-    params = [p for p in model.parameters() if p.requires_grad]
     groups = parameter_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
     if cfg.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
@@ -21,7 +20,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
             # Fused SGD creates its momentum buffers uninitialised (empty_like) on its first step and fills them
             # only if that step is applied; zeros make a skipped first step harmless and the first applied
             # step identical (buffer = 0 * momentum + gradient, as dampening is 0).
-            for param in params:
+            for param in (param for group in groups for param in group["params"]):
                 optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
         return optimizer
     optimizer_class = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam

@@ -14,6 +14,7 @@ from pathlib import Path
 from accel_train.config import Config
 from accel_train.errors import UserError
 from accel_train.observers import Observer, Progress
+from accel_train.runs import flatten
 
 TRACKERS_DIR = "trackers"  # under output_dir: every tracker's local files (TensorBoard events, mlruns, .aim)
 PROJECT = "accel-train"  # the project (W&B, Aim) or experiment (MLflow); TensorBoard's folder under trackers/
@@ -73,18 +74,9 @@ def scalars(split: str, values: dict) -> dict[str, float]:
 
 
 def hyperparameters(config: Config, launch_info: dict) -> dict:
-    """The resolved config as flat `section.key` values of the types trackers take (lists and mappings as JSON)."""
+    """The resolved config as the flat keys `accel-train runs --diff` shows (`train.lr`, `model.args.width`), in
+    the types trackers take (lists and empty mappings as JSON)."""
     tree = {**config.to_dict(), "run": {"recipe": config.recipe, "world_size": launch_info["world_size"],
                                         "mixed_precision": launch_info["mixed_precision"]}}
-    flat = {}
-
-    def walk(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict) and value and key != "args":
-                walk(value, f"{prefix}{key}.")
-            elif isinstance(value, (dict, list)):
-                flat[prefix + key] = json.dumps(value)
-            elif value is not None:
-                flat[prefix + key] = value
-    walk(tree, "")
-    return flat
+    return {key: json.dumps(value) if isinstance(value, (dict, list)) else value
+            for key, value in flatten(tree).items() if value is not None}

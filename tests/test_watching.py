@@ -135,9 +135,12 @@ def test_training_draws_curves_png_and_plot_overlays_several_runs(two_runs, tmp_
     assert colour_share(from_folder, ORANGE) > 0.001
     nothing = run_cli("plot", str(tmp_path / "empty"), check=False)
     assert nothing.returncode != 0 and "no such folder" in nothing.stderr
+    under_a_file = run_cli("plot", str(two_runs / "base"), f"output={picture}/x.png", check=False)
+    assert under_a_file.returncode == 74 and "Traceback" not in under_a_file.stderr
+    assert under_a_file.stderr.strip().startswith(f"accel-train: error: cannot write {picture}/x.png while drawing")
 
 
-def test_log_with_none_writes_no_tracker_files_and_a_missing_tracker_is_named(two_runs):
+def test_log_with_none_writes_no_tracker_files_and_a_missing_tracker_is_named(two_runs, tmp_path):
     assert (two_runs / "base" / "trackers").is_dir() == installed("tensorboard")
     assert not (two_runs / "fast" / "trackers").exists()
     assert tracker_names("none") == []
@@ -146,3 +149,9 @@ def test_log_with_none_writes_no_tracker_files_and_a_missing_tracker_is_named(tw
             continue
         with pytest.raises(UserError, match=f"train.log_with={name}: {package} is not installed"):
             tracker_names(name)
+    if not installed("wandb"):  # the command line says it in one line, before anything is written
+        refused = run_cli("train", "mnist_cnn", "train.log_with=wandb", f"output_dir={tmp_path / 'new'}", check=False)
+        assert refused.returncode == 2 and refused.stderr.strip() == (
+            "accel-train: error: train.log_with=wandb: wandb is not installed (pip install wandb); or set "
+            "train.log_with=none")
+        assert not (tmp_path / "new").exists()
