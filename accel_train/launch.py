@@ -29,7 +29,10 @@ def split_arguments(argv: list[str]) -> tuple[float, list[str]]:
     """(join timeout, the arguments for accelerate launch). Our one option comes first, so the rest is passed on
     untouched."""
     if argv[:1] == ["--join_timeout"] or argv[:1] and argv[0].startswith("--join_timeout="):
-        value, rest = (argv[0].split("=", 1)[1], argv[1:]) if "=" in argv[0] else (argv[1:2] or [""])[0], argv[2:]
+        if "=" in argv[0]:
+            value, rest = argv[0].split("=", 1)[1], argv[1:]
+        else:
+            value, rest = (argv[1:2] or [""])[0], argv[2:]
         try:
             timeout = float(value)
         except ValueError:

@@ -13,6 +13,8 @@ import time
 import pytest
 from test_launch_paths import RUN, accelerate, check_path
 
+from accel_train.errors import LaunchError
+from accel_train.launch import JOIN_TIMEOUT_S, split_arguments
 from conftest import PROFILES, PYTHON, REPO, _env, free_port, train_in_process
 
 APART_S = 8  # well past the time a launch takes to start here
@@ -87,3 +89,13 @@ def test_a_machine_whose_main_node_never_comes_says_so_at_once_and_gives_up_at_i
     assert not any(tmp_path.iterdir()), "nothing was started, so nothing is written"
     print(f"\nmain node absent: first line after {first_line_s:.1f} s, exit {machine.returncode} after {ended:.1f} s "
           f"(--join_timeout {timeout_s})")
+
+
+def test_accel_train_launch_takes_its_timeout_in_either_spelling_and_passes_the_rest_on_untouched():
+    rest = ["--config_file", "multi_node.yaml", "--machine_rank", "1", "-m", "accel_train", "train", "mnist_cnn"]
+    assert split_arguments(["--join_timeout", "60", *rest]) == (60.0, rest)
+    assert split_arguments(["--join_timeout=60", *rest]) == (60.0, rest)
+    assert split_arguments(rest) == (JOIN_TIMEOUT_S, rest)
+    for wrong in (["--join_timeout", "soon", *rest], ["--join_timeout=-1", *rest], ["--join_timeout"]):
+        with pytest.raises(LaunchError, match="give the seconds to wait for the other machines"):
+            split_arguments(wrong)
