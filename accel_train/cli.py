@@ -18,6 +18,9 @@ accel-train plot RUN [RUN ...] [output=FILE]             loss, eval metrics and 
 accel-train recipes                                      list shipped recipes
 accel-train keys                                         list every config key with its meaning
 accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
+accel-train launch [--join_timeout S] ACCELERATE_LAUNCH_ARGS... -m accel_train train RECIPE ...
+                                                         accelerate launch, once every machine has joined (says
+                                                         who it waits for; gives up after S s, default 300)
 accel-train bench [--quick] [RECIPE] [KEY=VALUE ...]     our loop vs plain PyTorch, input pipeline, scaling, FLOP/s
 
 Multi-process: accelerate launch --config_file accelerate_configs/multi_gpu.yaml -m accel_train train RECIPE
@@ -51,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="train loss, eval metrics and LR against optimizer steps, runs overlaid")
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or folders holding runs); "
                       "output=FILE sets the PNG (default curves.png)")
+    commands.add_parser("launch", help="accelerate launch once every machine has joined (accel-train launch --help)")
     commands.add_parser("recipes", help="list shipped recipes")
     commands.add_parser("keys", help="list config keys")
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
@@ -62,9 +66,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        _run(args)
+        if argv[:1] == ["launch"]:  # its arguments are accelerate launch's, passed on untouched
+            from accel_train.launch import main as launch
+
+            return launch(argv[1:])
+        _run(_parser().parse_args(argv))
     except UserError as err:
         _report(err)
         sys.exit(err.exit_code)

@@ -39,6 +39,12 @@ def launcher_ranks() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def launcher_restarts() -> tuple[int, int]:
+    """(restarts of the worker group so far, restarts allowed) under torchrun / accelerate launch --max_restarts;
+    (0, 0) for a plain process. A restart is the launcher starting every process again after one failed."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+
+
 def is_reporting_process() -> bool:
     """True on the one process that should print user errors raised before the Accelerator exists."""
     return launcher_ranks()[0] == 0
@@ -67,6 +73,7 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     if use_cpu and wants_fsdp() and is_reporting_process():
         print("accel-train: warning: Accelerate runs FSDP on GPUs only; on this CPU every process holds the whole "
               "model (DDP over a gloo group)", file=sys.stderr)
+    form_group_apart_from_earlier_attempts(use_cpu, collective_timeout_s)
     # Without cpu=True, Accelerate on a GPU-less box under a multi-process launcher silently
     # trains N independent copies instead of joining one gloo process group.
     accelerator = Accelerator(
@@ -84,6 +91,27 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
             f"(distributed type {accelerator.distributed_type}); check the launch profile and device visibility"
         )
     return accelerator
+
+
+def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float) -> None:
+    """After a launcher restart, form the process group under keys of this attempt only (Accelerate then uses it).
+
+    The elastic agent keeps one store across restarts, and the group's keys in it still hold the addresses of
+    the previous attempt's dead processes: a restarted process may read those and hang or fail to connect
+    (pytorch/pytorch#135712). Every process of a restarted group gets the same restart count from its launcher.
+    """
+    restart, _ = launcher_restarts()
+    env = os.environ
+    if not restart or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    # backend None: gloo for CPU tensors plus the device's own backend (NCCL), whichever Accelerate then asks for
+    dist.init_process_group("gloo" if use_cpu else None, store=dist.PrefixStore(f"accel_train/restart_{restart}",
+                                                                                  agent_store),
+                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
 
 
 def wants_fsdp() -> bool:

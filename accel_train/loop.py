@@ -37,6 +37,7 @@ from accel_train.config import Config
 from accel_train.data import build_dataset, hold_out_validation, make_loader, start_epoch
 from accel_train.distributed import (
     StopSignals,
+    launcher_restarts,
     make_accelerator,
     maybe_sync_batchnorm,
     per_process_batch,
@@ -202,8 +203,10 @@ def main_process_observers(config: Config, accelerator, task, start, classes, tr
     if not accelerator.is_main_process:
         return Observers([])
     info = run_info(accelerator)
+    restart, max_restarts = launcher_restarts()
     headline = (f"training {config.model.name} on {config.data.name}: {info['world_size']} process(es), "
-                f"{info['device']}, mixed precision {info['mixed_precision']}")
+                f"{info['device']}, mixed precision {info['mixed_precision']}"
+                f"{f', restart {restart} of at most {max_restarts} by the launcher' if restart else ''}")
     files = results_of(config, classes is not None, tracking=bool(trackers))
     watch = f"tensorboard --logdir {trackers_dir(config)}" if "tensorboard" in trackers else None
     return Observers([RunFolder(config, info, start, classes),

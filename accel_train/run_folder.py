@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+from datetime import datetime
 from pathlib import Path
 
 from accel_train.checkpoint import ResumePoint, checkpoints_dir
 from accel_train.config import Config, save_config
+from accel_train.distributed import launcher_restarts
 from accel_train.errors import UserError, storage_error, writing
 from accel_train.observers import Observer, Progress
-from accel_train.runs import CONFIG_FILE, METRICS_FILE
+from accel_train.runs import CONFIG_FILE, METRICS_FILE, STARTS_FILE
 
 MODEL_FILE = "model.safetensors"
 CLASSES_FILE = "classes.json"  # the class names, so predict needs nothing but the run folder
@@ -37,6 +40,10 @@ def check_output_dir(config: Config) -> None:
     if held and not continues:
         how = "add resume=auto to continue it" if config.resume is None else \
             f"resume={config.resume} is not one of its checkpoints, so its results would be overwritten"
+        if launcher_restarts()[0]:
+            raise UserError(f"the launcher restarted the processes after a failure (--max_restarts), but resume is not "
+                            f"auto, so this restart would overwrite output_dir={config.output_dir}: launch with "
+                            "resume=auto so that restarts continue from the newest checkpoint")
         raise UserError(f"output_dir={config.output_dir} already holds a run ({', '.join(held)}): {how}, or pass a "
                         "new output_dir (delete this one to start over)")
 
@@ -49,6 +56,7 @@ def results_of(config: Config, has_classes: bool, tracking: bool) -> list[str]:
 
     files = [MODEL_FILE, *([EMA_FILE] if config.train.ema_decay else []),
              *([BEST_FILE] if config.checkpoint.best_metric else []), METRICS_FILE, CURVES_FILE, CONFIG_FILE,
+             STARTS_FILE,
              *([CLASSES_FILE] if has_classes else []),
              *(["checkpoints/"] if config.checkpoint.at_epoch_end or config.checkpoint.every_steps else [])]
     return files + (["trackers/"] if tracking else [])
@@ -80,10 +88,12 @@ def lines_up_to(lines: list[str], point: ResumePoint) -> list[str]:
 
 
 class RunFolder(Observer):
-    """config.yaml (the resolved config and how the run was launched) and metrics.jsonl, on the main process.
+    """config.yaml (the resolved config and how the run was launched), metrics.jsonl and starts.jsonl, on the main
+    process.
 
     A run resumed from one of its own checkpoints keeps the lines that checkpoint had seen and appends, so
     metrics.jsonl reads as if the run had never stopped (lines the run that died wrote after it are dropped).
+    starts.jsonl is the run's history instead: every start adds a line and none is dropped, so restarts show.
     """
 
     def __init__(self, config: Config, launch_info: dict, start: ResumePoint, classes: list[str] | None) -> None:
@@ -96,11 +106,17 @@ class RunFolder(Observer):
             save_config(self.config, self.folder / CONFIG_FILE, self.launch_info)
             if self.classes is not None:
                 (self.folder / CLASSES_FILE).write_text(json.dumps(self.classes, indent=1) + "\n")
-            if self.start.in_output_dir and path.is_file():
+            continued = self.start.in_output_dir and path.is_file()
+            if continued:
                 path.write_text("".join(lines_up_to(path.read_text().splitlines(keepends=True), self.start)))
-                self.metrics = open(path, "a", buffering=1)
-            else:
-                self.metrics = open(path, "w", buffering=1)
+            self.metrics = open(path, "a" if continued else "w", buffering=1)
+            restart, _ = launcher_restarts()
+            start = {"time": datetime.now().astimezone().isoformat(timespec="seconds"), "host": socket.gethostname(),
+                     "step": progress.step, "world_size": self.launch_info["world_size"], "launcher_restart": restart}
+            # History is kept wherever the run continues, even when no checkpoint was there to resume from.
+            keep = self.start.in_output_dir or self.config.resume == "auto"
+            with open(self.folder / STARTS_FILE, "a" if keep else "w") as starts:
+                starts.write(json.dumps(start) + "\n")
 
     def on_log(self, progress: Progress, logs: dict) -> None:
         self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs,

@@ -15,6 +15,7 @@ import yaml
 from accel_train.errors import UserError
 
 CONFIG_FILE, METRICS_FILE = "config.yaml", "metrics.jsonl"
+STARTS_FILE = "starts.jsonl"  # one line per start of the run: fresh, resumed by hand, or restarted by the launcher
 TIMING = ("samples_per_s", "elapsed_s")  # measured, not computed: they differ between identical runs
 
 
@@ -53,6 +54,18 @@ def read_lines(folder: Path) -> list[dict]:
     return lines
 
 
+def read_starts(folder: Path) -> list[dict]:
+    """starts.jsonl: when, where and from which step each start of the run began ([] for runs older than it)."""
+    path = folder / STARTS_FILE
+    starts = []
+    for text in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            starts.append(json.loads(text))
+        except ValueError:
+            break
+    return starts
+
+
 def read_config(folder: Path) -> dict:
     try:
         return yaml.safe_load((folder / CONFIG_FILE).read_text()) or {}
@@ -87,6 +100,7 @@ def summarize(folder: Path, name: str | None = None) -> dict:
     scored = [line for line in selecting if isinstance(line.get(metric), (int, float))]
     best = (max if mode == "max" else min)(scored, key=lambda line: line[metric]) if scored else None
     final = next((line for line in reversed(evals) if line["split"] == "test"), evals[-1] if evals else None)
+    starts = read_starts(folder)
     return {
         "name": name or folder.name, "folder": str(folder), "recipe": run.get("recipe"),
         "world_size": run.get("world_size"), "mixed_precision": run.get("mixed_precision"),
@@ -97,6 +111,7 @@ def summarize(folder: Path, name: str | None = None) -> dict:
                                              "metrics": eval_metrics(final)},
         "wall_s": next((line["elapsed_s"] for line in reversed(lines) if "elapsed_s" in line), None),
         "samples_per_s": training_throughput(train, (config.get("train") or {}).get("batch_size")),
+        "starts": len(starts), "restarts": sum(1 for start in starts if start.get("launcher_restart")),
     }
 
 
@@ -129,7 +144,8 @@ def number(value) -> str:
 
 def table(summaries: list[dict]) -> str:
     """The runs side by side, one row each, in fixed-width columns."""
-    header = ["run", "recipe", "procs", "precision", "steps", "metric", "best (step)", "final", "wall", "samples/s"]
+    header = ["run", "recipe", "procs", "precision", "steps", "metric", "best (step)", "final", "wall", "samples/s",
+              "restarts"]
     rows = [header]
     for s in summaries:
         best = f"{number(s['best']['value'])} ({s['best']['step']})" if s["best"] else "-"
@@ -137,7 +153,7 @@ def table(summaries: list[dict]) -> str:
         speed = f"{s['samples_per_s']:.0f}" if s["samples_per_s"] else "-"
         rows.append([s["name"], Path(str(s["recipe"])).stem if s["recipe"] else "-", number(s["world_size"]),
                      s["mixed_precision"] or "-", str(s["steps"]), s["metric"] or "-", best, final,
-                     duration(s["wall_s"]), speed])
+                     duration(s["wall_s"]), speed, str(s["restarts"])])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 

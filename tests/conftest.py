@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,8 +105,9 @@ def start(command: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
 
 
-def start_launch(num_processes: int, *args: str, log: Path, profile: str = "multi_gpu.yaml") -> subprocess.Popen:
-    return start(_launch_command(num_processes, args, profile), log)
+def start_launch(num_processes: int, *args: str, log: Path, profile: str = "multi_gpu.yaml",
+                 launcher_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    return start(_launch_command(num_processes, args, profile, launcher_args=launcher_args), log)
 
 
 def _run(command: list[str], timeout: int, check: bool, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -167,14 +169,19 @@ def last_json_line(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def run_nodes(commands: list[tuple[list[str], dict]], timeout: int = 300,
-              check: bool = True) -> list[subprocess.CompletedProcess]:
-    """Start every (command, extra env) at once, as the nodes of one job would, and wait for all of them.
+def run_nodes(commands: list[tuple[list[str], dict]], timeout: int = 300, check: bool = True,
+              apart_s: float = 0) -> list[subprocess.CompletedProcess]:
+    """Start every (command, extra env) at once, as the nodes of one job would (or `apart_s` seconds after each
+    other, as nodes that boot at different times), and wait for all of them.
 
     If any runs past `timeout` (a hang at rendezvous or in a collective), all are killed and the test fails.
     """
-    procs = [subprocess.Popen(command, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for command, env in commands]
+    procs = []
+    for index, (command, env) in enumerate(commands):
+        if index and apart_s:
+            time.sleep(apart_s)
+        procs.append(subprocess.Popen(command, cwd=REPO, env=_env(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
     results = []
     try:
         for proc, (command, _) in zip(procs, commands):

@@ -23,7 +23,20 @@ import torch
 import yaml
 
 from accel_train.checkpoint import list_checkpoints, to_keep
-from conftest import PROBE, PYTHON, REPO, assert_same_run, launch, read_metrics, run_cli, start, start_launch
+from accel_train.runs import read_starts
+from conftest import (
+    PROBE,
+    PROFILES,
+    PYTHON,
+    REPO,
+    assert_same_run,
+    free_port,
+    launch,
+    read_metrics,
+    run_cli,
+    start,
+    start_launch,
+)
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
 WEIGHTS = ("model.safetensors", "model_ema.safetensors")
@@ -83,20 +96,26 @@ def test_crashes_after_checkpoints_at_an_epoch_end_and_mid_interval_then_resume_
     assert_same_run(tmp_path, reference, WEIGHTS)
 
 
-def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_equals_the_uninterrupted_run(reference, tmp_path):
+def test_sigterm_to_the_launcher_saves_and_ends_the_job_though_restarts_are_allowed_and_resume_equals_one_run(
+        reference, tmp_path):
     log = tmp_path / "log"
-    job = start_launch(2, *RUN, f"output_dir={tmp_path}", log=log)
+    # The self-healing launch line: a preemption must still end the job, not be restarted as a failure.
+    job = start_launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto", log=log, launcher_args=("--max_restarts", "3"))
     wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path, "train"), job, log)
     job.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
     job.wait(timeout=60)
     # The workers exit 75 (see README); accelerate launch / torchrun report their own signal as exit 1.
     assert job.returncode != 0
     stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", log.read_text())
     assert stopped, log.read_text()[-3000:]
+    print(f"\nSIGTERM to the launcher: checkpoint saved and the job ended {time.monotonic() - signalled:.1f} s later")
     step = int(stopped.group(1))
     assert 1 <= step < TOTAL_STEPS
     assert checkpoints(tmp_path)[-1][1]["step"] == step
+    assert [start["launcher_restart"] for start in read_starts(tmp_path)] == [0], "the launcher restarted the run"
     launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
+    assert [(start["step"], start["launcher_restart"]) for start in read_starts(tmp_path)] == [(0, 0), (step, 0)]
     assert_same_run(tmp_path, reference, WEIGHTS)
 
 
@@ -119,8 +138,40 @@ def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resum
     killed = time.monotonic()
     job.wait(timeout=60)
     assert job.returncode != 0 and time.monotonic() - killed < 60
+    print(f"\nkilled worker, no restarts: the job ended {time.monotonic() - killed:.1f} s later")
     launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
     assert_same_run(tmp_path, reference, WEIGHTS)
+
+
+# The documented self-healing launch lines (README "When things fail"), up to the accel-train arguments.
+SELF_HEALING = {
+    "accelerate launch --max_restarts 3": lambda: [
+        PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / "multi_gpu.yaml"),
+        "--num_processes", "2", "--main_process_port", str(free_port()), "--max_restarts", "3", "-m", "accel_train"],
+    "torchrun --max-restarts 3": lambda: [
+        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        "--max-restarts", "3", "-m", "accel_train"],
+}
+
+
+@pytest.mark.parametrize("launcher", SELF_HEALING)
+def test_a_killed_worker_is_restarted_by_the_launcher_and_the_run_ends_as_if_never_interrupted(
+        launcher, reference, tmp_path):
+    log = tmp_path / "log"
+    job = start([*SELF_HEALING[launcher](), *RUN, f"output_dir={tmp_path}", "resume=auto"], log)
+    wait_for(lambda: checkpoints(tmp_path), job, log)
+    psutil.Process(job.pid).children()[-1].kill()  # SIGKILL, like the OOM killer; no one reruns anything
+    killed = time.monotonic()
+    wait_for(lambda: "restart 1 of at most 3 by the launcher" in log.read_text(), job, log)
+    resumed_after = time.monotonic() - killed
+    assert job.wait(timeout=240) == 0, log.read_text()[-3000:]
+    starts = read_starts(tmp_path)
+    assert [start["launcher_restart"] for start in starts] == [0, 1]
+    assert starts[1]["step"] in {meta["step"] for _, meta in checkpoints(tmp_path)} | set(range(4, TOTAL_STEPS, 4))
+    assert "restarts   1 by the launcher after a process failed" in log.read_text()
+    assert_same_run(tmp_path, reference, WEIGHTS)
+    print(f"\n{launcher}: worker killed; the restarted group was training again from step {starts[1]['step']} "
+          f"{resumed_after:.1f} s later")
 
 
 def test_a_truncated_newest_checkpoint_is_reported_in_one_line_and_the_previous_one_resumes(reference, tmp_path):

@@ -130,10 +130,12 @@ def test_two_hosts_in_network_namespaces_train_like_one_process_over_the_interfa
     check_path("multi_node.yaml, 2 network namespaces", 2, nodes, reference, tmp_path, evaluate=False)
 
 
-def check_path(path, world_size, nodes, reference, tmp_path, evaluate=True):
-    """Train and evaluate through the path; returns the training run of its first node."""
+def check_path(path, world_size, nodes, reference, tmp_path, evaluate=True, apart_s=0):
+    """Train and evaluate through the path (nodes started `apart_s` seconds apart); returns the training run of its
+    first node."""
     out = tmp_path / "run"
-    trained_by = run_nodes([(command + ["train", *RUN, f"output_dir={out}"], env) for command, env in nodes(tmp_path)])
+    trained_by = run_nodes([(command + ["train", *RUN, f"output_dir={out}"], env) for command, env in nodes(tmp_path)],
+                           apart_s=apart_s)
     run = yaml.safe_load((out / "config.yaml").read_text())["run"]
     assert (run["world_size"], run["mixed_precision"]) == (world_size, "no")
     assert run["distributed_type"] == ("MULTI_CPU" if world_size > 1 else "NO")
@@ -167,7 +169,9 @@ def test_slurm_script_derives_rank_main_node_and_port_from_slurm_variables(tmp_p
         return words[words.index(name) + 1]
 
     for rank, words in enumerate(printed):
-        assert words[:2] == ["accelerate", "launch"] and words[-3:] == ["accel_train", "train", "mnist_cnn"]
+        assert words[:2] == ["accel-train", "launch"] and words[-3:] == ["accel_train", "train", "mnist_cnn"]
+        assert option(words, "--join_timeout") == "300" and option(words, "--rdzv_conf") == "timeout=300"
+        assert option(words, "--max_restarts") == "3"
         assert option(words, "--machine_rank") == str(rank)
         assert option(words, "--main_process_ip") == "127.0.0.1"  # first host of SLURM_JOB_NODELIST
         assert option(words, "--main_process_port") == str(20000 + 1234567 % 20000)

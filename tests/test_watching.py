@@ -82,8 +82,9 @@ def two_runs(tmp_path_factory):
 def test_runs_tabulates_every_run_under_a_folder_from_its_own_files(two_runs):
     table = run_cli("runs", str(two_runs)).stdout.splitlines()
     assert table[0].split() == ["run", "recipe", "procs", "precision", "steps", "metric", "best", "(step)", "final",
-                                "wall", "samples/s"]
+                                "wall", "samples/s", "restarts"]
     rows = {row.split()[0]: row.split() for row in table[1:]}
+    assert all(row[-1] == "0" for row in rows.values())
     assert rows.keys() == {"base", "fast"}
     for name, steps in (("base", "12"), ("fast", "6")):
         val, (test,) = read_metrics(two_runs / name, "val"), read_metrics(two_runs / name, "test")
@@ -98,6 +99,7 @@ def test_runs_tabulates_every_run_under_a_folder_from_its_own_files(two_runs):
     assert base["steps"] == 12 and base["epochs"] == 2 and base["world_size"] == 1
     assert base["final"]["split"] == "test" and base["final"]["metrics"]["num_samples"] == 100
     assert base["wall_s"] == lines[-1]["elapsed_s"] > 0
+    assert (base["starts"], base["restarts"]) == (1, 0)
     assert min(rates) <= base["samples_per_s"] <= max(rates)
 
 
