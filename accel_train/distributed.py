@@ -100,17 +100,21 @@ def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float) -> N
     the previous attempt's dead processes: a restarted process may read those and hang or fail to connect
     (pytorch/pytorch#135712). Every process of a restarted group gets the same restart count from its launcher.
     """
+    import torch
+
     restart, _ = launcher_restarts()
     env = os.environ
     if not restart or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    if not use_cpu and not torch.cuda.is_available():  # other accelerators: Accelerate forms the group as before
         return
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
-    # backend None: gloo for CPU tensors plus the device's own backend (NCCL), whichever Accelerate then asks for
-    dist.init_process_group("gloo" if use_cpu else None, store=dist.PrefixStore(f"accel_train/restart_{restart}",
-                                                                                  agent_store),
+    # On GPUs NCCL for CUDA tensors and gloo for CPU ones, as Accelerate's own FSDP-offload group has
+    dist.init_process_group("gloo" if use_cpu else "cuda:nccl,cpu:gloo",
+                            store=dist.PrefixStore(f"accel_train/restart_{restart}", agent_store),
                             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
 
 
