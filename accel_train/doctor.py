@@ -180,7 +180,9 @@ def route_source(host: str, port: int) -> str | None:
             return None
 
 
-def check_multi_node(launch: Launch, device: str, timeout: float, report: Report) -> None:
+def check_addressing(launch: Launch, report: Report) -> str | None:
+    """Process count, machine rank and main address of a multi-machine launch; machine 0's IP address, or None
+    when there is none to use."""
     n, machines, rank = launch.num_processes, launch.num_machines, launch.machine_rank
     if n % machines:
         report.problem(f"num_processes={n} does not divide by num_machines={machines}: num_processes is the total over "
@@ -189,17 +191,23 @@ def check_multi_node(launch: Launch, device: str, timeout: float, report: Report
     if not 0 <= rank < machines:
         report.problem(f"machine_rank={rank} must be 0..{machines - 1}: give each node its own --machine_rank, 0 on "
                        "the node at main_process_ip")
-    ip, port = launch.main_process_ip, launch.main_process_port
+    ip = launch.main_process_ip
     if not ip:
         report.problem("main_process_ip is not set: set it (or pass --main_process_ip) to machine 0's address that "
                        "every node can reach")
-        return
+        return None
     try:
-        address = socket.gethostbyname(ip)
+        return socket.gethostbyname(ip)
     except OSError:
         report.problem(f"main_process_ip={ip} does not resolve on this node; use machine 0's IP address instead")
-        return
+        return None
 
+
+def check_multi_node(launch: Launch, device: str, timeout: float, report: Report) -> None:
+    address = check_addressing(launch, report)
+    if address is None:
+        return
+    rank, ip, port = launch.machine_rank, launch.main_process_ip, launch.main_process_port
     interfaces = interface_addresses()
     source = route_source(address, port)
     routing = next((name for name, addrs in interfaces.items() if source in addrs), None)

@@ -44,8 +44,9 @@ def split_arguments(argv: list[str]) -> tuple[float, list[str]]:
 
 
 def launch_settings(arguments: list[str]):
-    """The settings accelerate launch will use (flags over its config file), read the way doctor reads them."""
-    from accel_train.doctor import Report, add_arguments, resolve_launch
+    """The settings accelerate launch will use (flags over its config file), read and checked the way doctor reads
+    and checks them."""
+    from accel_train.doctor import Report, add_arguments, check_addressing, resolve_launch
 
     # What follows the module or script is the training command's, not the launcher's.
     target = next((i for i, arg in enumerate(arguments) if arg in ("-m", "--module") or arg.endswith(".py")),
@@ -55,6 +56,8 @@ def launch_settings(arguments: list[str]):
     flags, _ = parser.parse_known_args(arguments[:target])
     report = Report()
     settings = resolve_launch(flags, report)
+    if settings.num_machines > 1:
+        check_addressing(settings, report)
     if report.problems:
         raise LaunchError("; ".join(report.problems))
     return settings, flags.config_file
@@ -79,13 +82,10 @@ def say(text: str) -> None:
 
 
 def meet(settings, config_file: str | None, timeout: float) -> None:
-    """Return once every machine has joined; LaunchError naming the missing ones after `timeout` seconds."""
+    """Return once every machine has joined; LaunchError naming the missing ones after `timeout` seconds. The launch
+    settings were checked (check_addressing) before."""
     machines, rank, port = settings.num_machines, settings.machine_rank, settings.main_process_port
     ip = settings.main_process_ip
-    if not ip:
-        raise LaunchError("main_process_ip is not set: pass --main_process_ip (machine 0's address) on every machine")
-    if not 0 <= rank < machines:
-        raise LaunchError(f"--machine_rank {rank} must be 0..{machines - 1}: 0 on the machine at {ip}")
     started = time.monotonic()
     deadline = started + timeout
     give_up = f"giving up at {(datetime.now() + timedelta(seconds=timeout)).strftime('%H:%M:%S')} ({timeout:g} s)"
@@ -96,10 +96,10 @@ def meet(settings, config_file: str | None, timeout: float) -> None:
     per_machine = settings.num_processes // machines
     said = time.monotonic()
     while True:
-        joined = int(store.add(f"{KEY}/joined", 0))
         missing = [r for r in range(machines) if not store.check([f"{KEY}/machine/{r}"])]
         if not missing:
             break
+        joined = machines - len(missing)
         status = (f"{joined} of {machines} machines ({joined * per_machine} of {settings.num_processes} processes) "
                   f"joined at {ip}:{port}; waiting for machine(s) {', '.join(map(str, missing))}")
         if time.monotonic() >= deadline:
@@ -147,7 +147,6 @@ def join(ip: str, port: int, rank: int, machines: int, deadline: float, give_up:
         raise LaunchError(f"two machines were started with --machine_rank {rank}: give each machine its own rank, "
                           "0 on the main node")
     store.set(f"{KEY}/machine/{rank}", socket.gethostname())
-    store.add(f"{KEY}/joined", 1)
     return store
 
 

@@ -43,10 +43,10 @@ def run_folder(path: str, under: Path | None = None) -> Path:
     raise UserError(f"{path}: not a run folder (one holding {CONFIG_FILE} and {METRICS_FILE})")
 
 
-def read_lines(folder: Path) -> list[dict]:
-    """metrics.jsonl as written so far; a last line cut short by a crash is left out."""
+def read_jsonl(path: Path) -> list[dict]:
+    """A JSON-lines file as written so far; a last line cut short by a crash ends it."""
     lines = []
-    for text in (folder / METRICS_FILE).read_text().splitlines():
+    for text in path.read_text().splitlines():
         try:
             lines.append(json.loads(text))
         except ValueError:
@@ -54,16 +54,15 @@ def read_lines(folder: Path) -> list[dict]:
     return lines
 
 
+def read_lines(folder: Path) -> list[dict]:
+    """metrics.jsonl as written so far."""
+    return read_jsonl(folder / METRICS_FILE)
+
+
 def read_starts(folder: Path) -> list[dict]:
     """starts.jsonl: when, where and from which step each start of the run began ([] for runs older than it)."""
     path = folder / STARTS_FILE
-    starts = []
-    for text in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            starts.append(json.loads(text))
-        except ValueError:
-            break
-    return starts
+    return read_jsonl(path) if path.is_file() else []
 
 
 def read_config(folder: Path) -> dict:

@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from test_launch_paths import accelerate, torchrun
 
 from accel_train.checkpoint import list_checkpoints, to_keep
 from accel_train.runs import read_starts
@@ -145,12 +146,11 @@ def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resum
 
 # The documented self-healing launch lines (README "When things fail"), up to the accel-train arguments.
 SELF_HEALING = {
-    "accelerate launch --max_restarts 3": lambda: [
-        PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(PROFILES / "multi_gpu.yaml"),
-        "--num_processes", "2", "--main_process_port", str(free_port()), "--max_restarts", "3", "-m", "accel_train"],
-    "torchrun --max-restarts 3": lambda: [
-        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        "--max-restarts", "3", "-m", "accel_train"],
+    "accelerate launch --max_restarts 3": lambda: accelerate(
+        "--config_file", PROFILES / "multi_gpu.yaml", "--num_processes", 2, "--main_process_port", free_port(),
+        "--max_restarts", 3),
+    "torchrun --max-restarts 3": lambda: torchrun("--nproc_per_node", 2, "--master_port", free_port(),
+                                                  "--max-restarts", 3),
 }
 
 
