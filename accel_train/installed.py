@@ -54,7 +54,7 @@ def version_problems(extras: tuple[str, ...] = ()) -> tuple[str, ...]:
     try:
         declared = metadata.requires(DISTRIBUTION) or []
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed: nothing declared
-        return []
+        return ()
     problems = []
     for line in declared:
         requirement = Requirement(line)
