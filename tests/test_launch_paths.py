@@ -108,8 +108,8 @@ FP16_PROFILES = {"multi_gpu.yaml --num_processes 2", "multi_node.yaml, 2 machine
                  "SLURM sbatch, 2 nodes"}
 
 
-# The launch path make test-min also runs at the dependency floors: accelerate launch of a shipped profile.
-AT_FLOORS = {"multi_gpu.yaml --num_processes 2"}
+# The launch paths make test-min also runs at the dependency floors: a shipped profile, and torchrun.
+AT_FLOORS = {"multi_gpu.yaml --num_processes 2", "torchrun --nproc_per_node 2"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.floors) if path in AT_FLOORS else path

@@ -98,6 +98,10 @@ def test_version_names_accel_train_torch_torchvision_accelerate_and_the_devices(
     assert "problem:" not in lines
 
 
-def test_doctor_takes_a_profile_by_name():
+def test_doctor_takes_a_profile_by_name_and_names_the_choices_for_neither_a_file_nor_a_profile():
     result = run_cli("doctor", "--config_file", "multi_gpu", check=False)
     assert f"{PROFILES / 'multi_gpu.yaml'}: distributed_type MULTI_GPU" in result.stdout, result.stdout
+    wrong = run_cli("doctor", "--config_file", "multi-gpu", check=False)
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
+        "accel-train: error: --config_file multi-gpu: no such file, and no shipped profile of that name "
+        "(cpu, fsdp, multi_gpu, multi_node, single_gpu, slurm_multi_node)"]
