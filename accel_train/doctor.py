@@ -309,7 +309,7 @@ def run(args) -> int:
 
     report = Report()
     if args.config_file and not Path(args.config_file).exists():  # a shipped profile's name, or a mistake
-        if Path(args.config_file).stem not in list_profiles():
+        if "/" in args.config_file or Path(args.config_file).stem not in list_profiles():
             raise UserError(f"--config_file {args.config_file}: no such file, and no shipped profile of that name "
                             f"({', '.join(list_profiles())})")
         args.config_file = str(profile_path(args.config_file))
