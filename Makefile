@@ -1,21 +1,29 @@
-# make demo  - set up everything on a fresh machine and train Fashion-MNIST for one epoch
-# make test  - set up everything (with dev extras and data), lint (ruff) and run the test suite
+# make demo      - set up everything on a fresh machine and train Fashion-MNIST for one epoch
+# make test      - set up everything (with dev extras and data), lint (ruff), run the test suite, then test-min
+# make test-min  - the contract tests at the lowest versions pyproject.toml allows (accelerate, evaluate, datasets,
+#                  numpy, pyyaml, tqdm, safetensors, matplotlib, psutil, packaging, tensorboard) beside this torch
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+MIN_VENV := .venv-min
+# uv installs (pip installs uv itself): it keeps one cache of unpacked wheels and links from it, so the second and
+# third environments (test-min, the packaging test) take seconds instead of another torch download. Unlike pip it
+# writes no .pyc unless told: without --compile-bytecode every process compiles torch again (4 s more per start).
+UV := $(BIN)/uv
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Test files run in parallel, one file per worker (its module fixtures are built once): as many workers as
 # cores, at most 4, since one test may start several training processes.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install data demo lint test clean
+.PHONY: install data demo lint test test-min clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check 'uv>=0.5'
+	$(UV) pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[dev]'
 	touch $@
 
 # Fashion-MNIST offline from Debian's dataset-fashion-mnist where apt is available; otherwise
@@ -37,6 +45,17 @@ lint: install
 
 test: install data lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(MAKE) --no-print-directory test-min
+
+# Every direct dependency at its declared floor (uv's lowest-direct resolution), the test tools (the dev extra)
+# at theirs too, beside the torch and torchvision of $(VENV) (older wheels are not installable everywhere: their
+# floors are stated in README); then the tests marked `floors` (README "Install" lists them).
+test-min: install data
+	rm -rf $(MIN_VENV)
+	$(UV) venv --quiet --python $(BIN)/python $(MIN_VENV)
+	$(UV) pip install --quiet --compile-bytecode --python $(MIN_VENV)/bin/python --resolution lowest-direct -e '.[tensorboard,dev]' \
+		$$($(UV) pip freeze --python $(BIN)/python | grep -E '^torch(vision)?==')
+	ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) runs data .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) runs data .pytest_cache

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from accel_train.config import Config, load_config
 from accel_train.errors import UserError
 from accel_train.imports import given_object_name
+from accel_train.installed import check_versions
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +67,7 @@ def predict(recipe: str | Config, checkpoint: str, inputs: str, overrides: Seque
 
 
 def _config(recipe: str | Config, overrides: Sequence[str]) -> Config:
+    check_versions()
     if isinstance(overrides, str):
         raise UserError(f"overrides: pass a list of key=value strings, e.g. [{overrides!r}]")
     if isinstance(recipe, Config):

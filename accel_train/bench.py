@@ -30,12 +30,12 @@ from accel_train.data import build_dataset, make_loader
 from accel_train.distributed import make_accelerator, plain_process_env
 from accel_train.doctor import cpu_has_bf16
 from accel_train.errors import UserError
+from accel_train.installed import profile_path
 from accel_train.models import tune_for_device
 from accel_train.optim import build_optimizer, build_scheduler
 from accel_train.tasks import task_named
 
 TARGETS = {"overhead_ratio": 0.98, "input_pipeline_ratio": 20.0, "cli_help_s": 1.0}
-PROFILE = Path(__file__).resolve().parents[1] / "accelerate_configs" / "multi_gpu.yaml"
 WINDOWS = 3  # timed windows after the warm-up one
 
 
@@ -231,7 +231,7 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, thread
         if n == 1 and precision == "no":
             command = [sys.executable, "-m", "accel_train", *args]
         else:
-            command = launch_command(n, precision, str(PROFILE) if PROFILE.is_file() else None, args)
+            command = launch_command(n, precision, str(profile_path("multi_gpu")), args)
         log(f"scaling: {name}")
         result = subprocess.run(command, env=plain_process_env(threads), capture_output=True, text=True)
         row = {"name": name, "processes": n, "mixed_precision": precision, "threads_per_process": threads}
@@ -246,16 +246,14 @@ def scaling(recipe: str, overrides: list[str], out: Path, processes: int, thread
     return table
 
 
-def launch_command(num_processes: int, mixed_precision: str, profile: str | None, args: list[str]) -> list[str]:
-    """`accelerate launch` of `accel-train ARGS` on N processes of this machine (the shipped multi_gpu profile
-    when the checkout has it, else the equivalent flag)."""
+def launch_command(num_processes: int, mixed_precision: str, profile: str, args: list[str]) -> list[str]:
+    """`accelerate launch` of `accel-train ARGS` on N processes of this machine with the shipped profile."""
     import socket
 
     with socket.socket() as sock:  # a free port, so bench runs never collide with a training job's rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    where = ["--config_file", profile] if profile else ["--multi_gpu"]
-    return [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", profile, "--num_processes",
             str(num_processes), "--main_process_port", str(port), "--mixed_precision", mixed_precision,
             "-m", "accel_train", *args]
 

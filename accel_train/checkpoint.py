@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.distributed import any_process
+from accel_train.distributed import any_process, first_message
 from accel_train.errors import UserError, warn, writing
 
 if TYPE_CHECKING:
@@ -206,7 +207,14 @@ class Checkpoints:
             candidates = [(Path(config.resume), read_meta(Path(config.resume)))]
         for folder, meta in reversed(candidates):
             _refuse_other_runs(folder, meta, config, accelerator, model, steps_per_epoch)
-            trouble = _damage(folder, meta) or _load(accelerator, folder)
+            trouble, error = _damage(folder, meta), None
+            if trouble is None:
+                trouble, error = _load(accelerator, folder)
+            error = first_message(error, accelerator)
+            if error:  # not damage: an older checkpoint would fail the same way, and this one is probably good
+                raise UserError(f"resume: cannot load {folder}, whose files are whole: {error}; this is not damage "
+                                "in the checkpoint but a library that differs from what accel-train expects (see "
+                                "accel-train --version) or a bug; the checkpoint is left as it is")
             if not any_process(trouble is not None, accelerator):
                 break
             warn(accelerator, f"checkpoint {folder} is unusable ({trouble or 'another process could not load it'}); "
@@ -320,13 +328,28 @@ def _damage(folder: Path, meta: dict) -> str | None:
     return None
 
 
-def _load(accelerator: Accelerator, folder: Path) -> str | None:
+def _load(accelerator: Accelerator, folder: Path) -> tuple[str | None, str | None]:
+    """Load a checkpoint: (what is damaged, None), or (None, an error that is not damage), or (None, None)."""
     try:
         # weights_only: the optimizer, scheduler and RNG files are pickles; only tensors and plain data may load.
         accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
-    except Exception as err:  # a damaged file surfaces as any of safetensors', torch's or pickle's errors
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    return None
+    except Exception as err:
+        text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return (text, None) if _is_damage(err) else (None, text)
+    return None, None
+
+
+def _is_damage(err: Exception) -> bool:
+    """Whether a load error means a file's bytes do not decode, rather than an API or a class that differs."""
+    from safetensors import SafetensorError
+
+    if isinstance(err, PermissionError):  # a file we may not read is whole: say so rather than skip it
+        return False
+    if isinstance(err, (SafetensorError, EOFError, OSError)):
+        return True
+    if isinstance(err, pickle.UnpicklingError):  # torch's weights-only unpickler: garbage, or a class it refuses
+        return "Unsupported global" not in str(err)
+    return isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)  # torch's zip reader
 
 
 def _write_synced(path: Path, text: str) -> None:

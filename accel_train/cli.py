@@ -16,14 +16,18 @@ accel-train predict RECIPE checkpoint=RUN input=PATH [output=FILE] [predict.top_
 accel-train runs DIR [--diff A B] [--json]               table of the runs under DIR; config keys A and B differ in
 accel-train plot RUN [RUN ...] [output=FILE]             loss, eval metrics and LR of runs, overlaid, as a PNG
 accel-train recipes                                      list shipped recipes
+accel-train profiles                                     list shipped launch profiles (accelerate configs)
+accel-train profile NAME                                 the installed file of a profile, for --config_file
 accel-train keys                                         list every config key with its meaning
 accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
 accel-train launch [--join_timeout S] ACCELERATE_LAUNCH_ARGS... -m accel_train train RECIPE ...
                                                          accelerate launch, once every machine has joined (says
                                                          who it waits for; gives up after S s, default 300)
 accel-train bench [--quick] [RECIPE] [KEY=VALUE ...]     our loop vs plain PyTorch, input pipeline, scaling, FLOP/s
+accel-train --version                                    versions of accel-train, torch, torchvision, accelerate;
+                                                         the devices visible
 
-Multi-process: accelerate launch --config_file accelerate_configs/multi_gpu.yaml -m accel_train train RECIPE
+Multi-process: accelerate launch --config_file "$(accel-train profile multi_gpu)" -m accel_train train RECIPE
            or: torchrun --nproc_per_node N -m accel_train train RECIPE
 """
 
@@ -56,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                       "output=FILE sets the PNG (default curves.png)")
     commands.add_parser("launch", help="accelerate launch once every machine has joined (accel-train launch --help)")
     commands.add_parser("recipes", help="list shipped recipes")
+    commands.add_parser("profiles", help="list shipped launch profiles")
+    profile = commands.add_parser("profile", help="print the installed file of a launch profile")
+    profile.add_argument("name", help="a profile name from `accel-train profiles`, e.g. multi_gpu")
     commands.add_parser("keys", help="list config keys")
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
                                  "accelerate config, multi-node network; exit 1 on any problem")
@@ -72,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             from accel_train.launch import main as launch
 
             return launch(argv[1:])
+        if argv[:1] in (["--version"], ["-V"]):
+            return _print_versions()
         _run(_parser().parse_args(argv))
     except UserError as err:
         _report(err)
@@ -81,6 +90,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _print_versions() -> None:
+    import platform
+
+    from accel_train.installed import version_problems, versions
+
+    for name, version in versions().items():
+        print(f"{name:12s} {version}")
+    print(f"{'python':12s} {platform.python_version()}")
+    from accel_train.doctor import visible_devices  # imports torch: after the versions, which need none
+
+    print(f"{'devices':12s} {visible_devices()[3]}")
+    for problem in version_problems():
+        print(f"problem: {problem}")
 
 
 def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
@@ -101,6 +125,14 @@ def _run(args: argparse.Namespace) -> None:
         for name, description in list_recipes().items():
             print(f"{name:24s} {description}")
         return
+    if args.command in ("profiles", "profile"):
+        from accel_train.installed import list_profiles, profile_path, profile_summary
+
+        if args.command == "profile":
+            print(profile_path(args.name))
+        for name, path in list_profiles().items() if args.command == "profiles" else ():
+            print(f"{name:24s} {profile_summary(path)}")
+        return
     if args.command == "doctor":
         from accel_train.doctor import run
 
@@ -111,6 +143,9 @@ def _run(args: argparse.Namespace) -> None:
         for key, type_name, text, default in describe_keys():
             print(f"{key:24s} {type_name:12s} default {default!s:10s} {text}")
         return
+    from accel_train.installed import check_versions
+
+    check_versions()  # before anything else: an old library fails later with errors that blame something else
     overrides = list(args.overrides)
     if args.command == "bench":
         recipe = args.recipe

@@ -167,6 +167,17 @@ SIGNAL_CHECK_S = 2.0  # how often processes agree on a stop signal: well inside 
 MAX_STEPS_BETWEEN_CHECKS = 10_000
 
 
+def first_message(message: str | None, accelerator: Accelerator) -> str | None:
+    """The first process's message, on every process (None where no process has one): one line for all."""
+    from accelerate.utils import gather_object
+
+    found = [(rank, text) for rank, text in enumerate(gather_object([message])) if text is not None]
+    if not found:
+        return None
+    rank, text = found[0]
+    return f"process {rank}: {text}" if accelerator.num_processes > 1 else text
+
+
 def steps_between_checks(seconds_per_step: float, every_s: float = SIGNAL_CHECK_S) -> int:
     """Optimizer steps until the next stop-signal agreement: about `every_s` seconds of the slowest process."""
     if seconds_per_step <= 0:

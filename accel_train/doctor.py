@@ -112,21 +112,26 @@ def cpu_has_bf16() -> bool:
         return False
 
 
-def check_devices(launch: Launch, report: Report) -> str:
-    """Report devices, backend and mixed precision; return the device type ("cuda", "xpu" or "cpu")."""
+def visible_devices() -> tuple[str, str, list[str], str]:
+    """The device type ("cuda", "xpu" or "cpu"), its process-group backend, the device names, and one line
+    saying what is visible."""
     import torch
 
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        device, backend = "cuda", "nccl"
-        report.info("devices", f"{len(names)} CUDA GPU(s): {', '.join(names)}")
-    elif hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "cuda", "nccl", names, f"{len(names)} CUDA GPU(s): {', '.join(names)}"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
         names = [f"xpu:{i}" for i in range(torch.xpu.device_count())]
-        device, backend = "xpu", "xccl"
-        report.info("devices", f"{len(names)} Intel XPU(s)")
-    else:
-        names, device, backend = [], "cpu", "gloo"
-        report.info("devices", f"no GPU visible; CPU with {os.cpu_count()} cores")
+        return "xpu", "xccl", names, f"{len(names)} Intel XPU(s)"
+    return "cpu", "gloo", [], f"no GPU visible; CPU with {os.cpu_count()} cores"
+
+
+def check_devices(launch: Launch, report: Report) -> str:
+    """Report devices, backend and mixed precision; return the device type ("cuda", "xpu" or "cpu")."""
+    import torch
+
+    device, backend, names, summary = visible_devices()
+    report.info("devices", summary)
     report.info("backend", backend + ("" if device != "cpu" or launch.num_processes == 1 else
                                       f" ({launch.num_processes} CPU processes form one gloo group)"))
 
@@ -299,7 +304,15 @@ def check_process_group(timeout: float, report: Report) -> None:
 
 
 def run(args) -> int:
+    from accel_train.errors import UserError
+    from accel_train.installed import list_profiles, profile_path, version_problems, versions
+
     report = Report()
+    if args.config_file and not Path(args.config_file).exists():  # a shipped profile's name, or a mistake
+        if "/" in args.config_file or Path(args.config_file).stem not in list_profiles():
+            raise UserError(f"--config_file {args.config_file}: no such file, and no shipped profile of that name "
+                            f"({', '.join(list_profiles())})")
+        args.config_file = str(profile_path(args.config_file))
     launch = resolve_launch(args, report)
     from accel_train.distributed import launcher_ranks
 
@@ -314,6 +327,9 @@ def run(args) -> int:
     else:
         config = "none found: accelerate launch will use its defaults; pass --config_file or run `accelerate config`"
     report.info("accelerate config", config)
+    report.info("versions", ", ".join(f"{name} {version}" for name, version in versions().items()))
+    for problem in version_problems():
+        report.problem(problem)
     device = check_devices(launch, report)
     if launch.num_machines > 1:
         check_multi_node(launch, device, args.timeout, report)
@@ -332,8 +348,8 @@ def run(args) -> int:
 
 def add_arguments(parser) -> None:
     """The `accelerate launch` flags that decide whether a launch works, so doctor checks the same command."""
-    parser.add_argument("--config_file",
-                        help="accelerate config file (default: Accelerate's default config if present)")
+    parser.add_argument("--config_file", help="accelerate config file, or the name of a shipped profile (accel-train "
+                        "profiles); default: Accelerate's default config if present")
     parser.add_argument("--num_processes", type=int, help="total processes over all machines")
     parser.add_argument("--num_machines", type=int)
     parser.add_argument("--machine_rank", type=int, help="this node's rank, 0 on the main node")

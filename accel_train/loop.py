@@ -149,6 +149,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
             # Micro-batches left over at the end, fewer than a step, are not trained (as drop_last drops a batch).
             skip = accumulation * (start.skip if progress.epoch == start.epoch else 0)
             micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            if skip:  # before accelerate 1.15 the skipping loader starts over at epoch 0: the wrong order
+                start_epoch(micro_batches, progress.epoch, config.seed)
             for number, batch in enumerate(islice(micro_batches, accumulation * progress.steps_per_epoch - skip),
                                            start=skip):
                 with accelerator.accumulate(model):  # no gradient all-reduce until the step's last micro-batch

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from accel_train.config import Config
 from accel_train.errors import UserError
+from accel_train.installed import version_problems
 from accel_train.observers import Observer, Progress
 from accel_train.runs import flatten
 
@@ -30,10 +31,15 @@ def tracker_names(log_with: str) -> list[str]:
     if log_with == "none":
         return []
     if log_with == "auto":
-        return ["tensorboard"] if installed("tensorboard") else []
+        if not installed("tensorboard"):
+            return []
+        log_with = "tensorboard"
     package, how = PACKAGES[log_with]
     if not installed(package):
         raise UserError(f"train.log_with={log_with}: {package} is not installed ({how}); or set train.log_with=none")
+    problems = version_problems(extras=(log_with,))
+    if problems:  # an old tracker fails at its first log with an error about numpy or protobuf instead
+        raise UserError(f"train.log_with={log_with}: {problems[0]}; or set train.log_with=none")
     return [log_with]
 
 

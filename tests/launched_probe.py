@@ -25,6 +25,8 @@ Faults:
   export run through FSDP2's fully_shard on a gloo group.
 - PROBE_CRASH_AFTER_SAVE=STEP ends every process (exit 1, no clean-up) right after the checkpoint of STEP,
   as a machine failure would.
+- PROBE_LOAD_API_ERROR=1 makes Accelerator.load_state raise the TypeError accelerate 1.2 raised for an argument
+  it did not know yet: a library that differs, with every checkpoint file whole.
 """
 
 import json
@@ -207,6 +209,15 @@ def crash_after_save(step: int) -> None:
     Checkpoints.save = save_then_crash
 
 
+def load_api_error() -> None:
+    from accelerate import Accelerator
+
+    def older_load_state(self, input_dir=None, **kwargs):
+        raise TypeError("load_model() got an unexpected keyword argument 'load_kwargs'")
+
+    Accelerator.load_state = older_load_state
+
+
 if __name__ == "__main__":
     seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
     if os.environ.get("PROBE_NONFINITE"):
@@ -217,6 +228,8 @@ if __name__ == "__main__":
         fsdp_on_cpu()
     if os.environ.get("PROBE_CRASH_AFTER_SAVE"):
         crash_after_save(int(os.environ["PROBE_CRASH_AFTER_SAVE"]))
+    if os.environ.get("PROBE_LOAD_API_ERROR"):
+        load_api_error()
     out = os.environ.get("PROBE_DIR")
     if out:
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group

@@ -84,6 +84,7 @@ def test_checkpoints_keep_the_newest_and_the_best_and_describe_themselves(refere
     assert all((folder / name).stat().st_size == size for name, size in meta["files"].items())
 
 
+@pytest.mark.floors
 def test_crashes_after_checkpoints_at_an_epoch_end_and_mid_interval_then_resume_equal_the_uninterrupted_run(
         reference, tmp_path):
     # Step 10 ends epoch 0 (its checkpoint follows the evaluation); step 16 is mid-epoch 1 and the first of the
@@ -174,17 +175,36 @@ def test_a_killed_worker_is_restarted_by_the_launcher_and_the_run_ends_as_if_nev
           f"{resumed_after:.1f} s later")
 
 
-def test_a_truncated_newest_checkpoint_is_reported_in_one_line_and_the_previous_one_resumes(reference, tmp_path):
+@pytest.mark.parametrize("damage, file", [("truncated", "model.safetensors"), ("garbled", "optimizer.bin")])
+def test_a_damaged_newest_checkpoint_is_reported_in_one_line_and_the_previous_one_resumes(reference, tmp_path,
+                                                                                          damage, file):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     (newest, _), (previous, previous_meta) = checkpoints(out)[-1], checkpoints(out)[-2]
-    weights = newest / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    data = (newest / file).read_bytes()
+    # truncated: the size differs from the one recorded; garbled: the same size, bytes that do not decode
+    (newest / file).write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x17" * 32 + data[32:])
     result = launch(2, *RUN, f"output_dir={out}", "resume=auto")
     warnings = [line for line in result.stderr.splitlines() if "warning" in line and str(newest) in line]
-    assert len(warnings) == 1 and "model.safetensors" in warnings[0], result.stderr
+    named = file if damage == "truncated" else "UnpicklingError"  # the size check, or the unpickler's error
+    assert len(warnings) == 1 and "unusable" in warnings[0] and named in warnings[0], result.stderr
     assert f"resuming from {previous}: step {previous_meta['step']}" in result.stdout
     assert_same_run(out, reference, WEIGHTS)
+
+
+@pytest.mark.floors
+def test_a_library_error_while_loading_is_not_called_damage_and_stops_in_one_line_leaving_the_checkpoints(
+        reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = checkpoints(out)
+    result = launch(2, *RUN, f"output_dir={out}", "resume=auto", script=PROBE, env={"PROBE_LOAD_API_ERROR": "1"},
+                    check=False)
+    assert result.returncode != 0
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert str(before[-1][0]) in error and "load_kwargs" in error and "not damage" in error, error
+    assert "trying the previous one" not in result.stderr and "resuming from" not in result.stdout
+    assert checkpoints(out) == before
 
 
 @pytest.mark.parametrize("override, words", [
@@ -242,6 +262,7 @@ def test_loading_a_checkpoint_never_runs_code_from_it(reference, tmp_path):
     model = MnistCNN(10, (1, 28, 28))
     optimizer = build_optimizer(TrainConfig(), model)
     accelerator.prepare(model, optimizer, build_scheduler(TrainConfig(), optimizer, STEPS_PER_EPOCH))
-    trouble = _load(accelerator, folder)
-    assert trouble is not None and "UnpicklingError" in trouble, trouble
+    damage, error = _load(accelerator, folder)
+    # Refused, and not taken for damage: the file is whole, it names a function the unpickler does not allow.
+    assert damage is None and error is not None and "UnpicklingError" in error, (damage, error)
     assert not marker.exists()

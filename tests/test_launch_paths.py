@@ -108,7 +108,12 @@ FP16_PROFILES = {"multi_gpu.yaml --num_processes 2", "multi_node.yaml, 2 machine
                  "SLURM sbatch, 2 nodes"}
 
 
-@pytest.mark.parametrize("path", PATHS)
+# The launch paths make test-min also runs at the dependency floors: a shipped profile, and torchrun.
+AT_FLOORS = {"multi_gpu.yaml --num_processes 2", "torchrun --nproc_per_node 2"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.floors) if path in AT_FLOORS else path
+                                  for path in PATHS])
 def test_launch_path_trains_like_one_process_and_evaluates_a_checkpoint_identically(path, reference, tmp_path):
     world_size, nodes = PATHS[path]
     first_node = check_path(path, world_size, nodes, reference, tmp_path, evaluate=path in EVAL_THROUGH)
@@ -176,7 +181,24 @@ def test_slurm_script_derives_rank_main_node_and_port_from_slurm_variables(tmp_p
         assert option(words, "--main_process_ip") == "127.0.0.1"  # first host of SLURM_JOB_NODELIST
         assert option(words, "--main_process_port") == str(20000 + 1234567 % 20000)
         assert (option(words, "--num_machines"), option(words, "--num_processes")) == ("2", "8")
-        assert option(words, "--config_file") == "accelerate_configs/multi_node.yaml"
+        assert option(words, "--config_file") == str(PROFILES / "multi_node.yaml")  # found by accel-train profile
+
+
+def test_slurm_batch_step_starts_one_task_per_node_running_the_submitted_file(tmp_path):
+    (_, env), _ = slurm_nodes(tmp_path, dry_run=True)
+    srun = tmp_path / "fake_slurm_bin" / "srun"  # runs the task once per node, as srun --ntasks-per-node=1 does
+    srun.write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                    'for node in 0 1; do SLURM_NODEID=$node "$@" > "$0.$node"; done\n')
+    srun.chmod(0o755)
+    submitted = tmp_path / "edited.sbatch"  # a user's edited copy: sbatch runs it from its spool folder
+    submitted.write_text((PROFILES / "slurm_multi_node.sbatch").read_text().replace("main_process_port=${MAIN",
+                                                                                   "MAIN_PROCESS_PORT=29999\nmain_process_port=${MAIN"))
+    del env["ACCEL_TRAIN_NODE_TASK"]
+    run_nodes([(["bash", str(submitted), "train", "mnist_cnn", "two words"], env)])
+    for node in (0, 1):
+        words = (tmp_path / f"fake_slurm_bin/srun.{node}").read_text()
+        assert f"--machine_rank {node} " in words and "--main_process_port 29999 " in words, words
+        assert words.strip().endswith("-m accel_train train mnist_cnn two\\ words"), words
 
 
 def test_slurm_script_outside_an_allocation_says_what_is_missing(tmp_path):

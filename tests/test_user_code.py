@@ -184,14 +184,16 @@ def test_a_user_model_resumes_exactly(tmp_path, monkeypatch):
 # --- the examples, at 1 and 2 processes ---------------------------------------------------------------------
 
 EXAMPLE_RUNS = {
-    # recipe, overrides that keep the test short, eval world sizes for one checkpoint
+    # recipe, overrides that keep the test short, training world sizes, eval world sizes for the 1-process checkpoint
     "two_conv_net": (str(EXAMPLES / "two_conv_net" / "recipe.yaml"),
                      ["data.synthetic=true", "data.train_subset=96", "data.eval_subset=101", "train.batch_size=24",
-                      "train.eval_batch_size=50", "train.epochs=1", "model.args.width=8"], (2,)),
-    # 997 eval samples divide by neither 2 nor 3 (a user's dataset, model and Task), served by a DataLoader worker
+                      "train.eval_batch_size=50", "train.epochs=1", "model.args.width=8"], (1, 2), (2,)),
+    # 997 eval samples do not divide by 2 (a user's dataset, model and Task), served by a DataLoader worker; the
+    # checkpoint is evaluated at 2 processes by torchrun and by the SLURM script, whose workers must find the
+    # user's modules beside the recipe
     "regression": (str(EXAMPLES / "regression" / "recipe.yaml"),
                    ["data.args.size=1200", "data.eval_subset=997", "train.epochs=1", "train.batch_size=100",
-                    "train.eval_batch_size=100", "data.num_workers=1"], (3,)),  # and at 2 by torchrun and SLURM
+                    "train.eval_batch_size=100", "data.num_workers=1"], (1,), ()),
 }
 
 
@@ -207,12 +209,12 @@ def same_metrics(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("example", EXAMPLE_RUNS)
-def test_an_example_trains_at_1_and_2_processes_and_one_checkpoint_evaluates_identically(example, tmp_path):
-    recipe, overrides, eval_sizes = EXAMPLE_RUNS[example]
-    for processes in (1, 2):
+def test_an_example_trains_and_one_checkpoint_evaluates_identically_at_other_world_sizes(example, tmp_path):
+    recipe, overrides, train_sizes, eval_sizes = EXAMPLE_RUNS[example]
+    for processes in train_sizes:
         launch(processes, "train", recipe, *overrides, f"output_dir={tmp_path / str(processes)}")
-    one, two = (read_metrics(tmp_path / name, "test")[-1] for name in ("1", "2"))
-    assert one["num_samples"] == two["num_samples"]
+    one, *more = (read_metrics(tmp_path / str(processes), "test")[-1] for processes in train_sizes)
+    assert all(other["num_samples"] == one["num_samples"] for other in more)
     for processes in eval_sizes:  # the 1-process run's checkpoint, evaluated by more processes
         evaluated = last_json_line(launch(processes, "eval", recipe, *overrides, f"checkpoint={tmp_path / '1'}").stdout)
         same_metrics(evaluated, one)
@@ -226,13 +228,12 @@ def test_an_example_trains_at_1_and_2_processes_and_one_checkpoint_evaluates_ide
         same_metrics(last_json_line(node_0.stdout), one)
 
 
-def test_the_python_api_script_runs_under_accelerate_launch_at_1_and_2_processes(tmp_path):
+def test_the_python_api_script_trains_at_2_processes_and_its_weights_evaluate_identically_at_1(tmp_path):
     script = str(EXAMPLES / "python_api" / "train_blobs.py")
-    trained = {n: last_json_line(launch(n, str(tmp_path / str(n)), script=script).stdout) for n in (1, 2)}
-    assert trained[1]["num_samples"] == trained[2]["num_samples"] == 301
-    assert trained[1]["accuracy"] > 0.8 and trained[2]["accuracy"] > 0.8, trained
-    evaluated = last_json_line(launch(2, "--evaluate", str(tmp_path / "1"), script=script).stdout)
-    same_metrics(evaluated, trained[1])
+    trained = last_json_line(launch(2, str(tmp_path / "run"), script=script).stdout)
+    assert trained["num_samples"] == 301 and trained["accuracy"] > 0.8, trained
+    evaluated = last_json_line(launch(1, "--evaluate", str(tmp_path / "run"), script=script).stdout)
+    same_metrics(evaluated, trained)
 
 
 # --- predict ------------------------------------------------------------------------------------------------
@@ -264,16 +265,16 @@ def image_run(tmp_path_factory):
     return root
 
 
-def test_predict_writes_one_row_per_file_identically_at_1_2_and_3_processes(image_run):
+def test_predict_writes_one_row_per_file_identically_at_1_and_2_processes(image_run):
     assert json.loads((image_run / "run" / "classes.json").read_text()) == list(CLASSES)
     written = {}
-    for processes in (1, 2, 3):
+    for processes in (1, 2):  # 13 files split unevenly at 2
         output = image_run / f"predictions_{processes}.csv"
         launch(processes, "predict", "imagefolder", f"checkpoint={image_run / 'run'}",
                f"input={image_run / 'inputs'}", f"output={output}", "predict.top_k=2", "predict.batch_size=4",
                *IMAGE_RUN)
         written[processes] = output.read_text()
-    assert written[1] == written[2] == written[3]
+    assert written[1] == written[2]
     header, *rows = csv.reader(written[1].splitlines())
     assert header == ["path", "label", "score", "label_2", "score_2"]
     files = sorted(str(path) for path in (image_run / "inputs").rglob("*.*"))
