@@ -208,12 +208,12 @@ def slurm_nodes(tmp: Path, nodes: int = 2, dry_run: bool = False, **slurm) -> li
     scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "127.0.0.1\\n127.0.0.2\\n"\n')
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     path = f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin"  # `accelerate` from this Python's environment
-    env = {"PATH": path, "ACCEL_TRAIN_NODE_TASK": "1", "SLURM_JOB_NUM_NODES": str(nodes),
+    env = {"PATH": path, "SLURM_JOB_NUM_NODES": str(nodes),
            "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": str(job_id_with_free_port()), **slurm}
     if dry_run:
         env["ACCEL_TRAIN_DRY_RUN"] = "1"
-    return [(["bash", "accelerate_configs/slurm_multi_node.sbatch"], {**env, "SLURM_NODEID": str(rank)})
-            for rank in range(nodes)]
+    task = ["bash", "accelerate_configs/slurm_multi_node.sbatch", "--node-task"]  # as the batch step's srun runs it
+    return [(task, {**env, "SLURM_NODEID": str(rank)}) for rank in range(nodes)]
 
 
 def job_id_with_free_port() -> int:

@@ -187,14 +187,16 @@ def test_slurm_script_derives_rank_main_node_and_port_from_slurm_variables(tmp_p
 def test_slurm_batch_step_starts_one_task_per_node_running_the_submitted_file(tmp_path):
     (_, env), _ = slurm_nodes(tmp_path, dry_run=True)
     srun = tmp_path / "fake_slurm_bin" / "srun"  # runs the task once per node, as srun --ntasks-per-node=1 does
-    srun.write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+    srun.write_text('#!/bin/bash\necho "$@" > "$0.args"\nwhile [[ "$1" == --* ]]; do shift; done\n'
                     'for node in 0 1; do SLURM_NODEID=$node "$@" > "$0.$node"; done\n')
     srun.chmod(0o755)
     submitted = tmp_path / "edited.sbatch"  # a user's edited copy: sbatch runs it from its spool folder
     submitted.write_text((PROFILES / "slurm_multi_node.sbatch").read_text().replace("main_process_port=${MAIN",
                                                                                    "MAIN_PROCESS_PORT=29999\nmain_process_port=${MAIN"))
-    del env["ACCEL_TRAIN_NODE_TASK"]
+    # The batch step, submitted from inside a node task: it inherits that task's environment, and still starts all.
     run_nodes([(["bash", str(submitted), "train", "mnist_cnn", "two words"], env)])
+    srun_options = (tmp_path / "fake_slurm_bin/srun.args").read_text().split(" bash -c ")[0].split()
+    assert srun_options == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     for node in (0, 1):
         words = (tmp_path / f"fake_slurm_bin/srun.{node}").read_text()
         assert f"--machine_rank {node} " in words and "--main_process_port 29999 " in words, words
