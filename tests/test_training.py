@@ -92,7 +92,7 @@ def test_imagefolder_recipe_takes_classes_from_the_folder_and_any_torchvision_mo
 def test_missing_dataset_gives_one_clear_error_naming_the_ways_to_provide_it(tmp_path):
     result = run_cli("train", "cifar10_resnet50", f"data.root={tmp_path}", "data.download=false",
                      f"output_dir={tmp_path / 'run'}", check=False)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr  # README: exit 3
     message = result.stderr.strip().splitlines()[-1]
     assert "cifar10" in message and str(tmp_path) in message and "data.download" in message
 
