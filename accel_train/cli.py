@@ -130,7 +130,8 @@ def _run(args: argparse.Namespace) -> None:
 
         if args.command == "profile":
             print(profile_path(args.name))
-        for name, path in list_profiles().items() if args.command == "profiles" else ():
+            return
+        for name, path in list_profiles().items():
             print(f"{name:24s} {profile_summary(path)}")
         return
     if args.command == "doctor":

@@ -305,14 +305,15 @@ def check_process_group(timeout: float, report: Report) -> None:
 
 def run(args) -> int:
     from accel_train.errors import UserError
-    from accel_train.installed import list_profiles, profile_path, version_problems, versions
+    from accel_train.installed import find_profile, list_profiles, version_problems, versions
 
     report = Report()
     if args.config_file and not Path(args.config_file).exists():  # a shipped profile's name, or a mistake
-        if "/" in args.config_file or Path(args.config_file).stem not in list_profiles():
+        profile = None if "/" in args.config_file else find_profile(args.config_file)
+        if profile is None:
             raise UserError(f"--config_file {args.config_file}: no such file, and no shipped profile of that name "
                             f"({', '.join(list_profiles())})")
-        args.config_file = str(profile_path(args.config_file))
+        args.config_file = str(profile)
     launch = resolve_launch(args, report)
     from accel_train.distributed import launcher_ranks
 

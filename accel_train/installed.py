@@ -28,13 +28,16 @@ def list_profiles() -> dict[str, Path]:
     return {path.stem: path for path in sorted(folder.iterdir()) if path.suffix in PROFILE_SUFFIXES}
 
 
+def find_profile(name: str) -> Path | None:
+    """The installed file of a profile, by name (multi_gpu) or file name (multi_gpu.yaml); None if none is."""
+    return list_profiles().get(Path(name).stem if Path(name).suffix in PROFILE_SUFFIXES else name)
+
+
 def profile_path(name: str) -> Path:
-    """The installed file of a profile, by name (multi_gpu) or file name (multi_gpu.yaml)."""
-    profiles = list_profiles()
-    stem = Path(name).stem if Path(name).suffix in PROFILE_SUFFIXES else name
-    if stem not in profiles:
-        raise UserError(f"profile {name!r}: no such profile; choose one of: {', '.join(profiles)}")
-    return profiles[stem]
+    found = find_profile(name)
+    if found is None:
+        raise UserError(f"profile {name!r}: no such profile; choose one of: {', '.join(list_profiles())}")
+    return found
 
 
 def profile_summary(path: Path) -> str:
