@@ -18,8 +18,10 @@ DECLARED = [Requirement(line) for line in metadata.requires("accel-train")]
 NOT_AT_FLOOR = {"torch", "torchvision"}
 
 
-def declared(name: str) -> Requirement:
-    return next(requirement for requirement in DECLARED if requirement.name == name and not requirement.marker)
+def declared(name: str, extra: str | None = None) -> Requirement:
+    """pyproject.toml's requirement on `name`: a core one, or the one of an extra."""
+    return next(r for r in DECLARED if r.name == name and
+                (r.marker.evaluate({"extra": extra}) if r.marker and extra else not r.marker))
 
 
 def with_installed_version(tmp_path: Path, name: str, version: str) -> dict:
@@ -49,8 +51,7 @@ def test_a_too_old_accelerate_stops_before_anything_runs_with_one_line_naming_th
 
 def test_a_too_old_tensorboard_is_refused_in_one_line_only_when_a_run_would_log_to_it(tmp_path):
     env = with_installed_version(tmp_path, "tensorboard", "2.12.0")
-    needed = next(f"tensorboard{r.specifier}" for r in DECLARED if r.name == "tensorboard" and r.marker and
-                  r.marker.evaluate({"extra": "tensorboard"}))
+    needed = f"tensorboard{declared('tensorboard', extra='tensorboard').specifier}"
     result = run_cli("train", "mnist_cnn", "data.synthetic=true", f"output_dir={tmp_path / 'run'}", check=False,
                      env=env)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
