@@ -175,7 +175,7 @@ def test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short(tmp_p
     # forwarding Ctrl-C again): the processes still save that step whole and exit 75 (the launcher's summary
     # lists the first to exit, and the other only if it exited before the launcher stopped it).
     result = launch(2, *RUN, f"output_dir={tmp_path}", "checkpoint.every_steps=null", "checkpoint.at_epoch_end=false",
-                    script=PROBE, env={"PROBE_SIGNALS_AT": "5"}, check=False)
+                    script=PROBE, env={"PROBE_SIGNALS_AT": "5"}, check=False, timeout=120)
     stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", result.stdout + result.stderr)
     assert result.returncode != 0 and stopped, result.stderr[-3000:]
     ((folder, meta),) = checkpoints(tmp_path)
