@@ -10,8 +10,8 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
   prepared by the same Accelerator setup the loop uses;
 - `eval_sets`: for each evaluation loader (validation, test), the (label, pixel sum) of each of its samples;
 - `saves`: the step of every checkpoint this process saved;
-- `dropout`: for each training forward pass of the model's first dropout layer, the first 32 positions it
-  zeroed (zero out, non-zero in);
+- `dropout`: for each training forward pass of the model's first dropout layer, a digest of the random state
+  it draws its mask from (the masks themselves also depend on which inputs are zero, which differ anyway);
 - `meter`: the loss and the skip flag of every optimizer step, as the train-line meter received them;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
@@ -37,6 +37,7 @@ Faults:
   it did not know yet: a library that differs, with every checkpoint file whole.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -135,10 +136,10 @@ def record_dropout_and_meter() -> None:
     first = {}
 
     def dropout_and_record(self, input):
-        out = dropout_forward(self, input)
         if self.training and first.setdefault("layer", self) is self:
-            record["dropout"].append(((out == 0) & (input != 0)).flatten().nonzero().flatten()[:32].tolist())
-        return out
+            state = (torch.cuda.get_rng_state() if input.is_cuda else torch.get_rng_state()).numpy().tobytes()
+            record["dropout"].append(hashlib.sha1(state).hexdigest())
+        return dropout_forward(self, input)
 
     def update_and_record(self, terms, skipped):
         record["meter"].append([terms["loss"].item(), skipped.item()])
