@@ -109,9 +109,13 @@ def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", time
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
-    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`."""
+    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`. Ctrl-C acts
+    as in a terminal: pytest-xdist's workers ignore SIGINT, and a child would inherit that."""
+    import signal
+
     with open(log, "w") as handle:
-        return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def start_launch(num_processes: int, *args: str, log: Path, profile: str = "multi_gpu.yaml",

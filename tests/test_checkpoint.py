@@ -214,7 +214,8 @@ def test_a_hung_process_fails_the_others_at_collective_timeout_s(tmp_path):
     print(f"\nhung process, train.collective_timeout_s={timeout_s}: the others failed {noticed:.1f} s later")
 
 
-def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resume_exactly(reference, tmp_path):
+def test_a_killed_worker_fails_the_job_within_60_s(tmp_path):
+    # Resuming from its checkpoints is the self-healing tests' (below), which end bit for bit as one run.
     log = tmp_path / "log"
     job = start_launch(2, *RUN, f"output_dir={tmp_path}", "train.collective_timeout_s=30", log=log)
     wait_for(lambda: checkpoints(tmp_path), job, log)
@@ -223,9 +224,8 @@ def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resum
     killed = time.monotonic()
     job.wait(timeout=60)
     assert job.returncode != 0 and time.monotonic() - killed < 60
+    assert "exitcode  : -9" in log.read_text(), log.read_text()[-3000:]
     print(f"\nkilled worker, no restarts: the job ended {time.monotonic() - killed:.1f} s later")
-    launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
-    assert_same_run(tmp_path, reference, WEIGHTS)
 
 
 # The documented self-healing launch lines (README "When things fail"), up to the accel-train arguments.

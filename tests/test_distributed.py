@@ -25,11 +25,12 @@ def plain_eval(trained):
     return evaluate_in_process(EVAL[0], trained, *EVAL[1:])
 
 
-@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.floors), 3])
+# 1 process is the plain in-process evaluation itself
+@pytest.mark.parametrize("processes", [pytest.param(2, marks=pytest.mark.floors), 3])
 def test_eval_is_exact_at_any_world_size(trained, plain_eval, processes):
     evaluation = launch(processes, "eval", *EVAL, f"checkpoint={trained}")
     result = last_json_line(evaluation.stdout)
-    said = f"accel-train eval: {trained}: 997 samples on {processes} process(es): accuracy="
+    said = f"accel-train eval: {trained}: 997 samples on {processes} process(es): loss="
     assert [line for line in evaluation.stderr.splitlines() if line.startswith(said)], evaluation.stderr[-2000:]
     assert result["num_processes"] == processes and plain_eval["num_processes"] == 1
     assert result["num_samples"] == plain_eval["num_samples"] == 997

@@ -2,9 +2,9 @@
 
 Each path trains the same seed and global batch, and its run's own evaluation follows: the losses must match
 a plain single process (relative 1e-5) and the eval metrics too (identical correct count). The multi-machine
-and torchrun paths also run `accel-train eval` of one shared checkpoint (metrics identical); multi_gpu.yaml
-does so at 1, 2 and 3 processes in test_distributed.py. On a GPU-less machine the GPU profiles form a gloo
-group on the CPU; "nodes" are launches on 127.0.0.1 started together.
+paths also run `accel-train eval` of one shared checkpoint (metrics identical); multi_gpu.yaml does so at 2
+and 3 processes in test_distributed.py, torchrun in test_user_code.py. On a GPU-less machine the GPU profiles
+form a gloo group on the CPU; "nodes" are launches on 127.0.0.1 started together.
 """
 
 from pathlib import Path
@@ -101,8 +101,8 @@ def reference(tmp_path_factory):
 
 
 # Paths that also evaluate the shared checkpoint with `accel-train eval`.
-EVAL_THROUGH = {"multi_node.yaml, 2 machines", "torchrun --nproc_per_node 2", "torchrun --nnodes 2",
-                "SLURM sbatch, 2 nodes"}
+# (torchrun --nproc_per_node 2 evaluates in test_user_code.py's regression example.)
+EVAL_THROUGH = {"multi_node.yaml, 2 machines", "torchrun --nnodes 2", "SLURM sbatch, 2 nodes"}
 # Profiles that ask for fp16, which a CPU cannot do: training says so in one line and runs in fp32.
 FP16_PROFILES = {"multi_gpu.yaml --num_processes 2", "multi_node.yaml, 2 machines", "wizard multi-GPU file",
                  "SLURM sbatch, 2 nodes"}
