@@ -2,6 +2,7 @@
 # make test      - set up everything (with dev extras and data), lint (ruff), run the test suite, then test-min
 # make test-min  - the contract tests at the lowest versions pyproject.toml allows (accelerate, evaluate, datasets,
 #                  numpy, pyyaml, tqdm, safetensors, matplotlib, psutil, packaging, tensorboard) beside this torch
+# make mutations - break each contract in turn (tests/mutations/run.py) and show a test fails; not part of test
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # cores, at most 4, since one test may start several training processes.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install data demo lint test test-min clean
+.PHONY: install data demo lint test test-min mutations clean
 
 install: $(VENV)/.installed
 
@@ -56,6 +57,10 @@ test-min: install data
 	$(UV) pip install --quiet --compile-bytecode --python $(MIN_VENV)/bin/python --resolution lowest-direct -e '.[tensorboard,dev]' \
 		$$($(UV) pip freeze --python $(BIN)/python | grep -E '^torch(vision)?==')
 	ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
+
+# One-off, not in CI: about 12 minutes, and it edits the working tree while it runs (restoring every file).
+mutations: install
+	$(BIN)/python tests/mutations/run.py $(MUTATIONS)
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) runs data .pytest_cache

@@ -49,7 +49,7 @@ def evaluate(recipe: str | Config, checkpoint: str, overrides: Sequence[str] = (
              model: torch.nn.Module | None = None, eval_dataset: Dataset | None = None,
              task: Task | None = None) -> dict:
     """Metrics of the weights in `checkpoint` (a run folder, a checkpoint folder or a model.safetensors) on the
-    evaluation data, over exactly its samples at any world size."""
+    evaluation data, over exactly its samples at any world size, plus `num_processes` (the world size)."""
     from accel_train import loop
 
     config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)

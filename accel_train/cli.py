@@ -179,12 +179,20 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "eval":
         metrics = api.evaluate(config, given["checkpoint"])
         if is_reporting_process():
+            print(f"accel-train eval: {given['checkpoint']}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
         output = given.get("output", "predictions.csv")
         rows = api.predict(config, given["checkpoint"], given["input"], output=output)
         if is_reporting_process():
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
+
+
+def _described(metrics: dict) -> str:
+    """The eval line for people (stdout holds the JSON for scripts)."""
+    shown = ", ".join(f"{name}={value:.4f}" for name, value in metrics.items()
+                      if name not in ("num_samples", "num_processes") and isinstance(value, float))
+    return f"{metrics.get('num_samples', '?')} samples on {metrics['num_processes']} process(es): {shown}"
 
 
 def _look(args: argparse.Namespace) -> None:

@@ -236,7 +236,9 @@ def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) ->
 
 def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,
                         model: torch.nn.Module | None = None, eval_dataset=None) -> dict:
-    """`accel-train eval`: load exported weights (safetensors) and evaluate them on the eval split."""
+    """`accel-train eval`: load exported weights (safetensors) and evaluate them on the eval split. The metrics
+    come with `num_processes`, the world size that computed them: the same metrics from any world size is the
+    contract, and a launch that formed no process group would show 1 here (if the world-size check let it run)."""
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     state = read_weights(weights_file(checkpoint))
@@ -251,7 +253,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
     model, eval_loader = accelerator.prepare(model, eval_loader)
     metrics = evaluate(accelerator, model, task, eval_loader)
     accelerator.end_training()
-    return metrics
+    return {**metrics, "num_processes": accelerator.num_processes}
 
 
 def weights_file(checkpoint: str) -> Path:

@@ -94,15 +94,28 @@ def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", time
     """`accelerate launch --config_file accelerate_configs/PROFILE --num_processes N -m accel_train ARGS`.
 
     `script` launches that file instead of the package (a test probe wrapping the CLI); `launcher_args` go to
-    accelerate launch (e.g. --mixed_precision no).
+    accelerate launch (e.g. --mixed_precision no). A training run that succeeds must have been trained by
+    `num_processes` processes in one group (its config.yaml says so), whatever the test checks besides:
+    N independent copies pass many comparisons.
     """
-    return _run(_launch_command(num_processes, args, profile, script, launcher_args), timeout, check, env)
+    result = _run(_launch_command(num_processes, args, profile, script, launcher_args), timeout, check, env)
+    output_dir = next((arg.split("=", 1)[1] for arg in args if arg.startswith("output_dir=")), None)
+    if args[:1] == ("train",) and result.returncode == 0 and output_dir:
+        import yaml
+
+        run = yaml.safe_load((Path(output_dir) / "config.yaml").read_text())["run"]
+        assert run["world_size"] == num_processes, (run, result.stderr[-2000:])
+    return result
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
-    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`."""
+    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`. Ctrl-C acts
+    as in a terminal: pytest-xdist's workers ignore SIGINT, and a child would inherit that."""
+    import signal
+
     with open(log, "w") as handle:
-        return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def start_launch(num_processes: int, *args: str, log: Path, profile: str = "multi_gpu.yaml",

@@ -10,6 +10,9 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
   prepared by the same Accelerator setup the loop uses;
 - `eval_sets`: for each evaluation loader (validation, test), the (label, pixel sum) of each of its samples;
 - `saves`: the step of every checkpoint this process saved;
+- `dropout`: for each training forward pass of the model's first dropout layer, a digest of the random state
+  it draws its mask from (the masks themselves also depend on which inputs are zero, which differ anyway);
+- `meter`: the loss and the skip flag of every optimizer step, as the train-line meter received them;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
 The recorders never change what the run computes: the fingerprint reuses the batch's own keys.
@@ -25,10 +28,16 @@ Faults:
   export run through FSDP2's fully_shard on a gloo group.
 - PROBE_CRASH_AFTER_SAVE=STEP ends every process (exit 1, no clean-up) right after the checkpoint of STEP,
   as a machine failure would.
+- PROBE_NO_PROCESS_GROUP=1 makes accel-train believe a GPU is present on this CPU-only machine, so it does not
+  tell Accelerate to use the CPU: Accelerate then forms no process group and every process runs alone, the
+  silent failure the world-size check stops.
+- PROBE_SIGNALS_AT=STEP makes process 0 send itself SIGTERM during optimizer step STEP, then SIGINT (a second
+  signal, as a launcher forwarding Ctrl-C again) as soon as the checkpoint that the first one asked for starts.
 - PROBE_LOAD_API_ERROR=1 makes Accelerator.load_state raise the TypeError accelerate 1.2 raised for an argument
   it did not know yet: a library that differs, with every checkpoint file whole.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -39,7 +48,7 @@ import torch
 from accel_train import cli, data, loop
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "augment": [], "allreduce_at": [], "eval_sets": [], "saves": []}
+record = {"batches": [], "augment": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
 
 _make_loader, _getitems, _crop_flip = loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip
 
@@ -118,6 +127,50 @@ def fsdp_on_cpu() -> None:
         return accelerator
 
     distributed.make_accelerator = loop.make_accelerator = make_fsdp_accelerator
+
+
+def record_dropout_and_meter() -> None:
+    from accel_train.meter import TrainMeter
+
+    dropout_forward, update = torch.nn.Dropout.forward, TrainMeter.update
+    first = {}
+
+    def dropout_and_record(self, input):
+        if self.training and first.setdefault("layer", self) is self:
+            state = (torch.cuda.get_rng_state() if input.is_cuda else torch.get_rng_state()).numpy().tobytes()
+            record["dropout"].append(hashlib.sha1(state).hexdigest())
+        return dropout_forward(self, input)
+
+    def update_and_record(self, terms, skipped):
+        record["meter"].append([terms["loss"].item(), skipped.item()])
+        return update(self, terms, skipped)
+
+    torch.nn.Dropout.forward, TrainMeter.update = dropout_and_record, update_and_record
+
+
+def signals_at(step: int) -> None:
+    import signal
+
+    from accelerate import PartialState
+
+    from accel_train.checkpoint import Checkpoints
+    from accel_train.meter import TrainMeter
+
+    update, save, calls = TrainMeter.update, Checkpoints.save, {"steps": 0, "signalled": False}
+
+    def update_then_signal(self, terms, skipped):
+        calls["steps"] += 1
+        if calls["steps"] == step and PartialState().process_index == 0:
+            calls["signalled"] = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return update(self, terms, skipped)
+
+    def signal_again_then_save(self, *args, **kwargs):
+        if calls["signalled"]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return save(self, *args, **kwargs)
+
+    TrainMeter.update, Checkpoints.save = update_then_signal, signal_again_then_save
 
 
 def record_saves() -> None:
@@ -209,6 +262,12 @@ def crash_after_save(step: int) -> None:
     Checkpoints.save = save_then_crash
 
 
+def no_process_group() -> None:
+    from accel_train import distributed
+
+    distributed.has_accelerator_device = lambda: True
+
+
 def load_api_error() -> None:
     from accelerate import Accelerator
 
@@ -218,18 +277,30 @@ def load_api_error() -> None:
     Accelerator.load_state = older_load_state
 
 
+def whole_number(name: str) -> int:
+    """The number a PROBE_* variable holds, or one line naming it (not a traceback)."""
+    value = os.environ[name]
+    if not value.isdigit():
+        sys.exit(f"{name}={value}: expected a whole number")
+    return int(value)
+
+
 if __name__ == "__main__":
     seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
     if os.environ.get("PROBE_NONFINITE"):
         inject_nonfinite(os.environ["PROBE_NONFINITE"])
     if os.environ.get("PROBE_OOM_ABOVE"):
-        out_of_memory_above(int(os.environ["PROBE_OOM_ABOVE"]))
+        out_of_memory_above(whole_number("PROBE_OOM_ABOVE"))
     if os.environ.get("PROBE_FSDP_ON_CPU"):
         fsdp_on_cpu()
     if os.environ.get("PROBE_CRASH_AFTER_SAVE"):
-        crash_after_save(int(os.environ["PROBE_CRASH_AFTER_SAVE"]))
+        crash_after_save(whole_number("PROBE_CRASH_AFTER_SAVE"))
     if os.environ.get("PROBE_LOAD_API_ERROR"):
         load_api_error()
+    if os.environ.get("PROBE_SIGNALS_AT"):
+        signals_at(whole_number("PROBE_SIGNALS_AT"))
+    if os.environ.get("PROBE_NO_PROCESS_GROUP"):
+        no_process_group()
     out = os.environ.get("PROBE_DIR")
     if out:
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
@@ -237,6 +308,7 @@ if __name__ == "__main__":
         data.InMemoryImages.__getitems__ = getitems
         record_gradient_allreduce()
         record_saves()
+        record_dropout_and_meter()
     try:
         cli.main(sys.argv[1:])
     except SystemExit as exit:

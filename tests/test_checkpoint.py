@@ -9,6 +9,7 @@ average the same weights; train lines every 3 steps and checkpoints every 4 put 
 the middle of a line's steps, so the restored partial sums have to give the same averages.
 """
 
+import json
 import re
 import shutil
 import signal
@@ -33,11 +34,20 @@ from conftest import (
     assert_same_run,
     free_port,
     launch,
+    metrics_without_timing,
     read_metrics,
     run_cli,
     start,
     start_launch,
+    train_in_process,
 )
+
+
+def assert_same_run_weights(out: Path, reference: Path) -> None:
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
 WEIGHTS = ("model.safetensors", "model_ema.safetensors")
@@ -49,9 +59,34 @@ RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.augment=true", "data.t
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    launch(2, *RUN, f"output_dir={out}")
-    return out
+    """The uninterrupted run, through the probe: its recorders (reference_records) change nothing it computes."""
+    base = tmp_path_factory.mktemp("reference")
+    launch(2, *RUN, f"output_dir={base / 'run'}", script=PROBE, env={"PROBE_DIR": str(base / "records")})
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def reference_records(reference):
+    return [json.loads((reference.parent / "records" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_dropout_draws_differ_per_process(reference_records):
+    # Each process reseeds with its rank after prepare: the same random state on both would draw the same
+    # masks on every process and halve dropout's effect.
+    states = [records["dropout"] for records in reference_records]
+    assert len(states[0]) == len(states[1]) == TOTAL_STEPS and len(set(states[0])) == TOTAL_STEPS
+    assert all(ours != theirs for ours, theirs in zip(*states))
+
+
+def test_a_train_line_averages_the_loss_over_its_steps_and_over_the_processes(reference, reference_records):
+    losses = [[loss for loss, skipped in records["meter"]] for records in reference_records]
+    lines, since = read_metrics(reference, "train"), 0
+    assert [line["step"] for line in lines] == list(range(3, TOTAL_STEPS + 1, 3))
+    for line in lines:  # log_every_steps=3
+        steps = range(since, line["step"])
+        expected = sum(losses[rank][step] for rank in (0, 1) for step in steps) / (2 * len(steps))
+        assert line["loss"] == pytest.approx(expected, rel=1e-6), line
+        since = line["step"]
 
 
 def checkpoints(out: Path) -> list[tuple[Path, dict]]:
@@ -121,17 +156,66 @@ def test_sigterm_to_the_launcher_saves_and_ends_the_job_though_restarts_are_allo
     assert_same_run(tmp_path, reference, WEIGHTS)
 
 
-def test_sigterm_to_a_single_process_exits_75_after_saving(tmp_path):
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_a_single_process_saves_a_checkpoint_at_the_step_it_names_and_exits_75(tmp_path, sent):
+    log = tmp_path / "log"
+    # No periodic checkpoints: the one found can only be the signal's.
+    job = start([PYTHON, "-m", "accel_train", *RUN, f"output_dir={tmp_path}", "checkpoint.every_steps=null",
+                 "checkpoint.at_epoch_end=false"], log)
+    wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path, "train"), job, log)
+    job.send_signal(sent)
+    assert job.wait(timeout=60) == 75, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text and f"{sent.name} received by process 0" in text
+    step = int(re.search(rf"stopped by {sent.name} at step (\d+); checkpoint saved", text).group(1))
+    assert [meta["step"] for _, meta in checkpoints(tmp_path)] == [step] and step < TOTAL_STEPS
+
+
+def test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short(tmp_path):
+    # Process 0 gets SIGTERM at step 5, then SIGINT as the save that the processes agreed on begins (a launcher
+    # forwarding Ctrl-C again): the processes still save that step whole and exit 75 (the launcher's summary
+    # lists the first to exit, and the other only if it exited before the launcher stopped it).
+    result = launch(2, *RUN, f"output_dir={tmp_path}", "checkpoint.every_steps=null", "checkpoint.at_epoch_end=false",
+                    script=PROBE, env={"PROBE_SIGNALS_AT": "5"}, check=False, timeout=120)
+    stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", result.stdout + result.stderr)
+    assert result.returncode != 0 and stopped, result.stderr[-3000:]
+    ((folder, meta),) = checkpoints(tmp_path)
+    assert meta["step"] == int(stopped.group(1)) >= 5
+    assert all((folder / name).stat().st_size == size for name, size in meta["files"].items())
+    assert "exitcode  : 75" in result.stderr and "KeyboardInterrupt" not in result.stderr
+
+
+def test_ctrl_c_before_training_starts_exits_130_in_silence(tmp_path):
     log = tmp_path / "log"
     job = start([PYTHON, "-m", "accel_train", *RUN, f"output_dir={tmp_path}"], log)
+    process = psutil.Process(job.pid)
+    # torch loads inside the command's error handling, long before training starts: signal while it loads.
+    wait_for(lambda: any("libtorch" in m.path for m in process.memory_maps()), job, log, timeout=60)
+    job.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) == 130, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_hung_process_fails_the_others_at_collective_timeout_s(tmp_path):
+    log, timeout_s = tmp_path / "log", 5
+    job = start_launch(2, *RUN, f"output_dir={tmp_path}", f"train.collective_timeout_s={timeout_s}", log=log)
     wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path, "train"), job, log)
-    job.send_signal(signal.SIGTERM)
-    assert job.wait(timeout=60) == 75, log.read_text()[-3000:]
-    assert "Traceback" not in log.read_text()
-    assert checkpoints(tmp_path)[-1][1]["step"] < TOTAL_STEPS
+    worker = psutil.Process(job.pid).children()[-1]
+    try:
+        worker.suspend()  # SIGSTOP: alive and silent, like a deadlock or a stuck device
+        hung = time.monotonic()
+        while job.poll() is None and time.monotonic() - hung < timeout_s + 60 and "imed out" not in log.read_text():
+            time.sleep(0.05)
+        noticed = time.monotonic() - hung
+    finally:
+        worker.kill()
+    job.wait(timeout=60)
+    assert job.returncode != 0 and timeout_s <= noticed < timeout_s + 30, noticed
+    print(f"\nhung process, train.collective_timeout_s={timeout_s}: the others failed {noticed:.1f} s later")
 
 
-def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resume_exactly(reference, tmp_path):
+def test_a_killed_worker_fails_the_job_within_60_s(tmp_path):
+    # Resuming from its checkpoints is the self-healing tests' (below), which end bit for bit as one run.
     log = tmp_path / "log"
     job = start_launch(2, *RUN, f"output_dir={tmp_path}", "train.collective_timeout_s=30", log=log)
     wait_for(lambda: checkpoints(tmp_path), job, log)
@@ -140,9 +224,8 @@ def test_a_killed_worker_fails_the_job_within_60_s_and_earlier_checkpoints_resum
     killed = time.monotonic()
     job.wait(timeout=60)
     assert job.returncode != 0 and time.monotonic() - killed < 60
+    assert "exitcode  : -9" in log.read_text(), log.read_text()[-3000:]
     print(f"\nkilled worker, no restarts: the job ended {time.monotonic() - killed:.1f} s later")
-    launch(2, *RUN, f"output_dir={tmp_path}", "resume=auto")
-    assert_same_run(tmp_path, reference, WEIGHTS)
 
 
 # The documented self-healing launch lines (README "When things fail"), up to the accel-train arguments.
@@ -210,13 +293,57 @@ def test_a_library_error_while_loading_is_not_called_damage_and_stops_in_one_lin
 @pytest.mark.parametrize("override, words", [
     ("model.name=resnet18", ["another run", "model.name=mnist_cnn", "model.name=resnet18"]),
     ("data.image_size=32", ["does not fit", "classifier.1.weight", "shape"]),
+    ("seed=0", ["saved by 2 process(es), this run has 1", "--num_processes 2"]),  # the same model, 1 process
 ])
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(reference, tmp_path, override, words):
+def test_a_checkpoint_of_another_model_or_world_size_is_refused_in_one_line(reference, tmp_path, override, words):
     newest = checkpoints(reference)[-1][0]
     result = run_cli(*RUN, f"output_dir={tmp_path}", f"resume={newest}", override, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
     assert all(word in error for word in words), error
+
+
+# In one process: resume=PATH, a save cut short and the steps-per-epoch refusal need no second process.
+# 3 steps per epoch: the checkpoints of steps 2 and 4 are mid-epoch.
+SMALL = ["mnist_cnn", "data.synthetic=true", "data.train_subset=36", "data.eval_subset=10", "train.batch_size=12",
+         "train.max_steps=4", "train.log_every_steps=1", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("small") / "run"
+    train_in_process(*SMALL, f"output_dir={out}")
+    return out
+
+
+def test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted(small_run, tmp_path, capsys):
+    step_2 = small_run / "checkpoints" / "step-00000002"
+    train_in_process(*SMALL, f"output_dir={tmp_path}", f"resume={step_2}")
+    assert f"resuming from {step_2}: step 2" in capsys.readouterr().out
+    assert [line["step"] for line in read_metrics(tmp_path, "train")] == [3, 4]
+    assert metrics_without_timing(tmp_path)[:2] == [line for line in metrics_without_timing(small_run)
+                                                    if line["step"] > 2][:2]
+    assert_same_run_weights(tmp_path, small_run)
+
+
+def test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save(small_run, tmp_path, capsys):
+    out = shutil.copytree(small_run, tmp_path / "run")
+    cut_short = out / "checkpoints" / ".partial-step-00000005"
+    cut_short.mkdir()
+    (cut_short / "model.safetensors").write_bytes(b"half a file")
+    train_in_process(*SMALL, f"output_dir={out}", "resume=auto", "train.max_steps=6")
+    captured = capsys.readouterr()
+    assert f"accel-train: warning: ignoring {cut_short}: a save that did not complete" in captured.err
+    assert "resuming from" in captured.out and "step-00000004: step 4" in captured.out
+    assert not cut_short.exists() and {meta["step"] for _, meta in checkpoints(out)} == {2, 3, 4, 6}  # 3: epoch end
+
+
+def test_a_checkpoint_of_other_steps_per_epoch_is_refused_naming_what_changed(small_run, tmp_path):
+    from accel_train.errors import UserError
+
+    with pytest.raises(UserError, match=r"has 3 steps per epoch, this run 4; train.batch_size or data.train_subset"):
+        train_in_process(*SMALL, f"output_dir={tmp_path}", "data.train_subset=48",
+                         f"resume={small_run / 'checkpoints' / 'step-00000002'}")
 
 
 def test_the_exported_model_loads_into_the_plain_model_without_accelerate(reference):

@@ -2,9 +2,9 @@
 
 Each path trains the same seed and global batch, and its run's own evaluation follows: the losses must match
 a plain single process (relative 1e-5) and the eval metrics too (identical correct count). The multi-machine
-and torchrun paths also run `accel-train eval` of one shared checkpoint (metrics identical); multi_gpu.yaml
-does so at 1, 2 and 3 processes in test_distributed.py. On a GPU-less machine the GPU profiles form a gloo
-group on the CPU; "nodes" are launches on 127.0.0.1 started together.
+paths also run `accel-train eval` of one shared checkpoint (metrics identical); multi_gpu.yaml does so at 2
+and 3 processes in test_distributed.py, torchrun in test_user_code.py. On a GPU-less machine the GPU profiles
+form a gloo group on the CPU; "nodes" are launches on 127.0.0.1 started together.
 """
 
 from pathlib import Path
@@ -101,8 +101,8 @@ def reference(tmp_path_factory):
 
 
 # Paths that also evaluate the shared checkpoint with `accel-train eval`.
-EVAL_THROUGH = {"multi_node.yaml, 2 machines", "torchrun --nproc_per_node 2", "torchrun --nnodes 2",
-                "SLURM sbatch, 2 nodes"}
+# (torchrun --nproc_per_node 2 evaluates in test_user_code.py's regression example.)
+EVAL_THROUGH = {"multi_node.yaml, 2 machines", "torchrun --nnodes 2", "SLURM sbatch, 2 nodes"}
 # Profiles that ask for fp16, which a CPU cannot do: training says so in one line and runs in fp32.
 FP16_PROFILES = {"multi_gpu.yaml --num_processes 2", "multi_node.yaml, 2 machines", "wizard multi-GPU file",
                  "SLURM sbatch, 2 nodes"}
@@ -159,6 +159,7 @@ def check_path(path, world_size, nodes, reference, tmp_path, evaluate=True, apar
                             for command, env in nodes(tmp_path)])[0]
     evaluated = last_json_line(first_node.stdout)
     assert (evaluated["num_samples"], evaluated["correct"]) == (101, reference_eval["correct"])
+    assert evaluated["num_processes"] == world_size
     assert evaluated["loss"] == pytest.approx(reference_eval["loss"], rel=1e-6)
     print(f"\n{path}: world size {world_size}, step {STEPS}: train loss {losses[-1]:.6f}; eval of the shared "
           f"checkpoint: accuracy {evaluated['accuracy']:.4f} loss {evaluated['loss']:.6f}")
@@ -182,6 +183,17 @@ def test_slurm_script_derives_rank_main_node_and_port_from_slurm_variables(tmp_p
         assert option(words, "--main_process_port") == str(20000 + 1234567 % 20000)
         assert (option(words, "--num_machines"), option(words, "--num_processes")) == ("2", "8")
         assert option(words, "--config_file") == str(PROFILES / "multi_node.yaml")  # found by accel-train profile
+
+
+def test_slurm_script_takes_main_node_port_and_processes_per_node_from_the_environment_when_set(tmp_path):
+    overrides = {"MAIN_PROCESS_IP": "10.1.2.3", "MAIN_PROCESS_PORT": "29123", "PROCESSES_PER_NODE": "3"}
+    nodes = slurm_nodes(tmp_path, nodes=2, dry_run=True, SLURM_JOB_ID="1234567", SLURM_GPUS_ON_NODE="4", **overrides)
+    for rank, result in enumerate(run_nodes([(command + ["train", "mnist_cnn"], env) for command, env in nodes])):
+        words = result.stdout.split()
+        assert words[words.index("--main_process_ip") + 1] == "10.1.2.3", words
+        assert words[words.index("--main_process_port") + 1] == "29123"
+        assert words[words.index("--num_processes") + 1] == "6"  # 2 nodes x 3
+        assert words[words.index("--machine_rank") + 1] == str(rank)
 
 
 def test_slurm_batch_step_starts_one_task_per_node_running_the_submitted_file(tmp_path):

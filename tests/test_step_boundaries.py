@@ -159,3 +159,19 @@ def test_the_train_meter_state_round_trips_bit_for_bit():
     ours, theirs = meter.compute(), restored.compute()
     assert (ours["loss"], ours["kl"]) == (theirs["loss"], theirs["kl"])
     assert ours["loss"] == pytest.approx((0.1 + 0.7 + 1 / 3 + 0.25) / 4)  # the skipped NaN step is left out
+
+
+def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(monkeypatch):
+    from accelerate import Accelerator
+
+    from accel_train import meter as meter_module
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(meter_module.time, "perf_counter", lambda: clock["now"])
+    meter = meter_module.TrainMeter(Accelerator(cpu=True), global_batch=32)
+    for _ in range(4):  # 4 steps of 0.5 s each
+        clock["now"] += 0.5
+        meter.update({"loss": torch.tensor(1.0)}, skipped=torch.tensor(0.0))
+        with meter.paused():  # an evaluation and a checkpoint: 10 s that trained nothing
+            clock["now"] += 2.5
+    assert meter.compute()["samples_per_s"] == pytest.approx(4 * 32 / 2.0)

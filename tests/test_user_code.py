@@ -140,7 +140,7 @@ def test_the_python_api_trains_objects_in_place_of_names_and_records_them(tmp_pa
     assert json.loads((tmp_path / "classes.json").read_text()) == ["low", "high"]
     again = accel_train.evaluate("mnist_cnn", tmp_path, ["data.num_workers=0"], model=torch.nn.Linear(3, 2),
                                  eval_dataset=Tagged(101, seed=1))
-    assert again == metrics
+    assert again == {**metrics, "num_processes": 1}
 
 
 @pytest.mark.parametrize("call, words", [
@@ -187,7 +187,7 @@ EXAMPLE_RUNS = {
     # recipe, overrides that keep the test short, training world sizes, eval world sizes for the 1-process checkpoint
     "two_conv_net": (str(EXAMPLES / "two_conv_net" / "recipe.yaml"),
                      ["data.synthetic=true", "data.train_subset=96", "data.eval_subset=101", "train.batch_size=24",
-                      "train.eval_batch_size=50", "train.epochs=1", "model.args.width=8"], (1, 2), (2,)),
+                      "train.eval_batch_size=50", "train.epochs=1", "model.args.width=8"], (1,), (2,)),
     # 997 eval samples do not divide by 2 (a user's dataset, model and Task), served by a DataLoader worker; the
     # checkpoint is evaluated at 2 processes by torchrun and by the SLURM script, whose workers must find the
     # user's modules beside the recipe
@@ -197,8 +197,11 @@ EXAMPLE_RUNS = {
 }
 
 
-def same_metrics(a: dict, b: dict) -> None:
-    """Identical metrics: the same names and counts, and floats equal but for summation order (1e-6)."""
+def same_metrics(evaluated: dict, b: dict, processes: int) -> None:
+    """`evaluated` by `processes` processes (as it reports) and `b` are identical metrics: the same names and counts,
+    and floats equal but for summation order (1e-6)."""
+    a = dict(evaluated)
+    assert a.pop("num_processes") == processes
     names = a.keys() - {"split", "epoch", "step", "elapsed_s"}
     assert names == b.keys() - {"split", "epoch", "step", "elapsed_s"}
     for name in names:
@@ -217,15 +220,15 @@ def test_an_example_trains_and_one_checkpoint_evaluates_identically_at_other_wor
     assert all(other["num_samples"] == one["num_samples"] for other in more)
     for processes in eval_sizes:  # the 1-process run's checkpoint, evaluated by more processes
         evaluated = last_json_line(launch(processes, "eval", recipe, *overrides, f"checkpoint={tmp_path / '1'}").stdout)
-        same_metrics(evaluated, one)
+        same_metrics(evaluated, one, processes)
     if example == "regression":  # torchrun's workers and the SLURM script's nodes find the modules beside the recipe
         evaluation = ["eval", recipe, *overrides, f"checkpoint={tmp_path / '1'}"]
         torchrun = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                     "-m", "accel_train"]
         (node,) = run_nodes([(torchrun + evaluation, {})])
-        same_metrics(last_json_line(node.stdout), one)
+        same_metrics(last_json_line(node.stdout), one, 2)
         node_0, _ = run_nodes([(command + evaluation, env) for command, env in slurm_nodes(tmp_path)])
-        same_metrics(last_json_line(node_0.stdout), one)
+        same_metrics(last_json_line(node_0.stdout), one, 2)
 
 
 def test_the_python_api_script_trains_at_2_processes_and_its_weights_evaluate_identically_at_1(tmp_path):
@@ -233,7 +236,7 @@ def test_the_python_api_script_trains_at_2_processes_and_its_weights_evaluate_id
     trained = last_json_line(launch(2, str(tmp_path / "run"), script=script).stdout)
     assert trained["num_samples"] == 301 and trained["accuracy"] > 0.8, trained
     evaluated = last_json_line(launch(1, "--evaluate", str(tmp_path / "run"), script=script).stdout)
-    same_metrics(evaluated, trained)
+    same_metrics(evaluated, trained, 1)
 
 
 # --- predict ------------------------------------------------------------------------------------------------

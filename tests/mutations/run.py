@@ -1,0 +1,177 @@
+"""The mutation check (`make mutations`): break one contract at a time and show that a test fails for each.
+
+Each mutation below replaces one piece of the package's source (text found exactly once) by a broken version,
+runs the tests named for it, and restores the file whatever happens. A mutation is caught when those tests fail
+(pytest exit 1); one whose tests still pass is a claim no test guards. The selected tests are first run on the
+unbroken source, which must pass, or the check proves nothing.
+
+    python tests/mutations/run.py              # every mutation (about 12 minutes on 2 CPU cores)
+    python tests/mutations/run.py NAME ...     # some of them; --list names them
+
+Not part of CI: it takes long, and it edits the working tree while it runs (do not edit files meanwhile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    original: str
+    broken: str
+    tests: tuple[str, ...]  # pytest node ids or files, with -k expressions after "::-k "
+
+
+MUTATIONS = [
+    Mutation("per-process reseed dropped (every process draws the same dropout masks)",
+             "accel_train/loop.py", "set_seed(config.seed, device_specific=True)", "set_seed(config.seed)",
+             ("tests/test_checkpoint.py::test_dropout_draws_differ_per_process",)),
+    Mutation("split_batches off (batch_size per process instead of global)",
+             "accel_train/distributed.py", "split_batches=True", "split_batches=False",
+             ("tests/test_equivalence.py::test_n_processes_with_batch_b_end_with_the_weights_of_one_process_with_batch_nb",)),
+    Mutation("skip_first_batches skipped (a resumed epoch starts from its first batch)",
+             "accel_train/loop.py",
+             "micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader",
+             "micro_batches = train_loader",
+             ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
+    Mutation("gather instead of gather_for_metrics (eval counts the last batch's padding)",
+             "accel_train/loop.py", "accelerator.gather_for_metrics(task.eval_step(model, batch))",
+             "accelerator.gather(task.eval_step(model, batch))",
+             ("tests/test_distributed.py::test_eval_is_exact_at_any_world_size",)),
+    Mutation("checkpoint metadata written before the files (published, then saved into)",
+             "accel_train/checkpoint.py", "            accelerator.save_state(str(partial))\n",
+             "            if accelerator.is_main_process:\n"
+             "                self._publish(progress, evaluated, partial, name, 0.0)\n"
+             "            accelerator.save_state(str(partial))\n",
+             ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",
+              "tests/test_checkpoint.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
+    Mutation("SIGTERM ignored (not handled: the process dies without saving)",
+             "accel_train/distributed.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)", "HANDLED = (signal.SIGINT,)",
+             ("tests/test_checkpoint.py::-k single_process",)),
+    Mutation("stop signal decided without the all-reduce (each process decides alone)",
+             "accel_train/distributed.py", "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)",
+             "pass",
+             ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
+    Mutation("scheduler stepped twice per optimizer step",
+             "accel_train/loop.py", "                scheduler.step()\n",
+             "                scheduler.step()\n                scheduler.step()\n",
+             ("tests/test_equivalence.py::test_learning_rate_at_every_step_is_the_same_at_1_2_and_3_processes",)),
+    Mutation("world-size guard dropped (N processes that formed no group run alone)",
+             "accel_train/distributed.py", "if expected is not None and expected != accelerator.num_processes:",
+             "if False:",
+             ("tests/test_distributed.py::test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alone",)),
+    Mutation("train line not averaged over processes (process 0's loss only)",
+             "accel_train/meter.py", 'self.accelerator.reduce(self.sums / self.counted, reduction="mean")',
+             "(self.sums / self.counted)",
+             ("tests/test_checkpoint.py::test_a_train_line_averages_the_loss_over_its_steps_and_over_the_processes",)),
+    Mutation("a non-finite step still updates the weights (on_nonfinite=skip)",
+             "accel_train/guard.py", "self._apply(optimizer, bad)", "self._apply(optimizer, torch.zeros_like(bad))",
+             ("tests/test_vae.py::test_on_nonfinite_skip_leaves_the_weights_of_the_skipped_step_untouched_and_trains_on",)),
+    Mutation("no checkpoint saved on a stop signal",
+             "accel_train/loop.py", "raise Preempted(signals.stop_message(progress.step, save(evaluated=False)))",
+             'raise Preempted(signals.stop_message(progress.step, "nowhere"))',
+             ("tests/test_checkpoint.py::-k single_process",)),
+    Mutation("a second signal cuts the save short (Python's Ctrl-C comes back after the first)",
+             "accel_train/distributed.py", "            self.received = signal.Signals(signum).name\n",
+             "            self.received = signal.Signals(signum).name\n"
+             "            signal.signal(signal.SIGINT, signal.default_int_handler)\n",
+             ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
+    Mutation("VAE prior samples drawn from the global RNG (a different grid each evaluation)",
+             "accel_train/tasks/vae.py", ", generator=torch.Generator().manual_seed(self.seed))", ")",
+             ("tests/test_vae.py::test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_global_rng",)),
+    Mutation("train.compile ignored",
+             "accel_train/models.py", "        model.compile()\n", "        pass\n",
+             ("tests/test_speed_switches.py",)),
+    Mutation("train.collective_timeout_s not passed to the process group (torch's default applies)",
+             "accel_train/distributed.py",
+             "kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],",
+             "kwargs_handlers=[],",
+             ("tests/test_checkpoint.py::test_a_hung_process_fails_the_others_at_collective_timeout_s",)),
+    Mutation("resume at another world size not refused",
+             "accel_train/checkpoint.py", 'if meta["world_size"] != accelerator.num_processes:', "if False:",
+             ("tests/test_checkpoint.py::-k world_size",)),
+    Mutation("seedable sampler off (data order no longer a function of seed and epoch alone)",
+             "accel_train/distributed.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
+             ("tests/test_equivalence.py::test_shuffling_is_a_function_of_seed_and_epoch",
+              "tests/test_equivalence.py::test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs")),
+]
+
+
+def pytest_args(tests: tuple[str, ...]) -> list[str]:
+    args = []
+    for test in tests:
+        path, _, expression = test.partition("::-k ")
+        args += [path, "-k", expression] if expression else [test]
+    return args
+
+
+def run_tests(tests: tuple[str, ...]) -> tuple[int, list[str], float]:
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
+                             *pytest_args(tests)], cwd=REPO, capture_output=True, text=True)
+    # A fixture that trains fails as an ERROR of the tests using it
+    failed = [f"{word.lower()} {line.split()[1]}" for line in result.stdout.splitlines()
+              for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]
+    return result.returncode, failed, time.monotonic() - started
+
+
+def mutated(mutation: Mutation):
+    """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def applied():
+        path = REPO / mutation.file
+        source = path.read_text()
+        if source.count(mutation.original) != 1:
+            raise SystemExit(f"{mutation.name}: the text to break is no longer found once in {mutation.file}; "
+                             "update tests/mutations/run.py")
+        path.write_text(source.replace(mutation.original, mutation.broken))
+        try:
+            yield
+        finally:
+            path.write_text(source)
+
+    return applied()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="words of the mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="name the mutations and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip running the selected tests unbroken first")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or any(word in m.name for word in args.names)]
+    if args.list or not chosen:
+        print("\n".join(m.name for m in MUTATIONS))
+        return 0 if args.list else 2
+    if not args.no_baseline:
+        tests = tuple(dict.fromkeys(test for m in chosen for test in m.tests))
+        code, failed, seconds = run_tests(tests)
+        print(f"baseline: {'pass' if code == 0 else f'FAILED {failed or code}'} ({seconds:.0f} s)", flush=True)
+        if code != 0:
+            return 1
+    missed = 0
+    for number, mutation in enumerate(chosen, 1):
+        with mutated(mutation):
+            code, failed, seconds = run_tests(mutation.tests)
+        caught = code == 1 and failed
+        missed += not caught
+        verdict = f"caught by {', '.join(failed)}" if caught else f"NOT CAUGHT (pytest exit {code})"
+        print(f"{number:2d}. {mutation.name}: {verdict} ({seconds:.0f} s)", flush=True)
+    print(f"{len(chosen) - missed} of {len(chosen)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
