@@ -3,8 +3,10 @@
 Each path trains the same seed and global batch, and its run's own evaluation follows: the losses must match
 a plain single process (relative 1e-5) and the eval metrics too (identical correct count). The multi-machine
 paths also run `accel-train eval` of one shared checkpoint (metrics identical); multi_gpu.yaml does so at 2
-and 3 processes in test_distributed.py, torchrun in test_user_code.py. On a GPU-less machine the GPU profiles
-form a gloo group on the CPU; "nodes" are launches on 127.0.0.1 started together.
+and 3 processes in test_distributed.py, torchrun in test_user_code.py. multi_gpu.yaml has no row here: every
+other launched test goes through it, and test_equivalence.py compares it at 2 and 3 processes with one
+process. On a GPU-less machine the GPU profiles form a gloo group on the CPU; "nodes" are launches on
+127.0.0.1 started together.
 """
 
 from pathlib import Path
@@ -73,8 +75,6 @@ def wizard_file(tmp: Path) -> Path:
 PATHS = {
     "single_gpu.yaml": (1, lambda tmp: one_machine(*accelerate("--config_file", PROFILES / "single_gpu.yaml"))),
     "cpu.yaml": (1, lambda tmp: one_machine(*accelerate("--config_file", PROFILES / "cpu.yaml"))),
-    "multi_gpu.yaml --num_processes 2": (2, lambda tmp: one_machine(*accelerate(
-        "--config_file", PROFILES / "multi_gpu.yaml", "--num_processes", 2, "--main_process_port", free_port()))),
     "multi_node.yaml, 2 machines": (2, lambda tmp: [
         (accelerate("--config_file", PROFILES / "multi_node.yaml", "--num_processes", 2, "--num_machines", 2,
                     "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port), {})
@@ -104,12 +104,11 @@ def reference(tmp_path_factory):
 # (torchrun --nproc_per_node 2 evaluates in test_user_code.py's regression example.)
 EVAL_THROUGH = {"multi_node.yaml, 2 machines", "torchrun --nnodes 2", "SLURM sbatch, 2 nodes"}
 # Profiles that ask for fp16, which a CPU cannot do: training says so in one line and runs in fp32.
-FP16_PROFILES = {"multi_gpu.yaml --num_processes 2", "multi_node.yaml, 2 machines", "wizard multi-GPU file",
-                 "SLURM sbatch, 2 nodes"}
+FP16_PROFILES = {"multi_node.yaml, 2 machines", "wizard multi-GPU file", "SLURM sbatch, 2 nodes"}
 
 
-# The launch paths make test-min also runs at the dependency floors: a shipped profile, and torchrun.
-AT_FLOORS = {"multi_gpu.yaml --num_processes 2", "torchrun --nproc_per_node 2"}
+# The launch path make test-min also runs at the dependency floors (its other launched tests use multi_gpu.yaml).
+AT_FLOORS = {"torchrun --nproc_per_node 2"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.floors) if path in AT_FLOORS else path
