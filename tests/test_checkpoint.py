@@ -32,6 +32,7 @@ from conftest import (
     PYTHON,
     REPO,
     assert_same_run,
+    assert_same_weights,
     free_port,
     launch,
     metrics_without_timing,
@@ -41,13 +42,6 @@ from conftest import (
     start_launch,
     train_in_process,
 )
-
-
-def assert_same_run_weights(out: Path, reference: Path) -> None:
-    from safetensors.torch import load_file
-
-    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
 WEIGHTS = ("model.safetensors", "model_ema.safetensors")
@@ -323,7 +317,7 @@ def test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_int
     assert [line["step"] for line in read_metrics(tmp_path, "train")] == [3, 4]
     assert metrics_without_timing(tmp_path)[:2] == [line for line in metrics_without_timing(small_run)
                                                     if line["step"] > 2][:2]
-    assert_same_run_weights(tmp_path, small_run)
+    assert_same_weights(tmp_path, small_run)
 
 
 def test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save(small_run, tmp_path, capsys):
