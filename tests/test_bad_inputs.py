@@ -47,23 +47,6 @@ def test_resume_auto_is_the_one_command_for_the_first_start_and_every_restart(tm
     assert [line["step"] for line in read_metrics(out, "train")] == [1, 2]
 
 
-def test_every_file_of_a_run_folder_has_the_permissions_of_the_others(tmp_path):
-    # safetensors writes owner-only files: exported weights would be the one thing a group cannot read
-    import os
-    import stat
-
-    out = tmp_path / "run"
-    train_in_process("mnist_cnn", f"output_dir={out}", *TINY, "train.ema_decay=0.9", "data.val_fraction=0.25",
-                     "checkpoint.best_metric=accuracy", "checkpoint.every_steps=1")
-    umask = os.umask(0)
-    os.umask(umask)
-    modes = {path.relative_to(out): stat.S_IMODE(path.stat().st_mode) for path in out.rglob("*") if path.is_file()}
-    assert {"model.safetensors", "model_ema.safetensors", "model_best.safetensors", "config.yaml"} <= {
-        str(path) for path in modes}
-    assert any(path.name == "model.safetensors" and path.parent.name.startswith("step-") for path in modes)
-    assert {path: mode for path, mode in modes.items() if mode != 0o666 & ~umask} == {}
-
-
 @pytest.mark.parametrize("where", ["the folder itself", "a parent"])
 def test_an_output_dir_that_is_a_file_is_refused_before_any_work(tmp_path, where):
     file = tmp_path / "results.txt"
