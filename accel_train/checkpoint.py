@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.distributed import any_process, first_message
-from accel_train.errors import UserError, warn, writing
+from accel_train.errors import UserError, usual_permissions, warn, writing
 
 if TYPE_CHECKING:
     import torch
@@ -148,6 +148,7 @@ class Checkpoints:
         files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*"))
                  if path.is_file()}
         for relative in files:  # durable before the rename publishes them
+            usual_permissions(partial / relative)
             _fsync(partial / relative)
         seconds += time.perf_counter() - fsync_started
         meta = {

@@ -124,3 +124,14 @@ class writing:
         if error is None:
             return False
         raise error from None
+
+
+def usual_permissions(*paths) -> None:
+    """Give files the mode every other file of the run gets (0666 less the umask): safetensors writes its files
+    readable by their owner only, which breaks sharing a run folder with a group or a serving user."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)

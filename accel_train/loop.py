@@ -45,7 +45,15 @@ from accel_train.distributed import (
     run_info,
 )
 from accel_train.ema import WeightsEMA
-from accel_train.errors import DataNotFoundError, Preempted, UnreadableFileError, UserError, warn, writing
+from accel_train.errors import (
+    DataNotFoundError,
+    Preempted,
+    UnreadableFileError,
+    UserError,
+    usual_permissions,
+    warn,
+    writing,
+)
 from accel_train.guard import NonFiniteGuard, clip_gradients
 from accel_train.meter import TrainMeter
 from accel_train.models import tune_for_device
@@ -193,6 +201,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
             observers.on_eval(progress, final, "test")
         with writing(Path(config.output_dir) / MODEL_FILE, "exporting the trained model"):
             accelerator.save_model(model, config.output_dir)
+            if accelerator.is_main_process:  # model.safetensors, or its shards for a model over 10 GB
+                usual_permissions(*Path(config.output_dir).glob("model*.safetensors"))
             if ema:
                 ema.export(config.output_dir)
         observers.on_train_end(progress)

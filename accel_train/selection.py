@@ -19,7 +19,7 @@ from accelerate import Accelerator
 
 from accel_train.config import Config
 from accel_train.distributed import any_process
-from accel_train.errors import UserError, writing
+from accel_train.errors import UserError, usual_permissions, writing
 
 BEST_FILE = "model_best.safetensors"
 
@@ -97,5 +97,6 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: Path)
         # save_model lists the folder on every process: none may still be in it when the main one removes it.
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            usual_permissions(staging / "model.safetensors")
             os.replace(staging / "model.safetensors", path)
             shutil.rmtree(staging, ignore_errors=True)

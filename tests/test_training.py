@@ -9,6 +9,9 @@ from safetensors.torch import load_file
 
 from conftest import evaluate_in_process, needs_fashion_mnist, read_metrics, run_cli, train_in_process
 
+# 24 samples, 2 steps (the validation split takes 6), a checkpoint after each
+TINY_RUN = ["data.synthetic=true", "data.train_subset=24", "data.eval_subset=10", "train.batch_size=6",
+            "train.max_steps=2", "train.log_every_steps=1"]
 TINY = ["train.max_steps=1", "train.batch_size=4", "train.eval_batch_size=4", "data.train_subset=8",
         "data.eval_subset=6", "train.log_every_steps=1"]
 
@@ -42,6 +45,23 @@ def test_fashion_mnist_loss_falls_and_the_run_folder_describes_itself(tmp_path):
     assert evaluated["num_samples"] == 1000
     assert evaluated["correct"] == eval_lines[-1]["correct"]
     assert evaluated["loss"] == pytest.approx(eval_lines[-1]["loss"], rel=1e-5)
+
+
+def test_every_file_of_a_run_folder_has_the_permissions_of_the_others(tmp_path):
+    # safetensors writes owner-only files: exported weights would be the one thing a group cannot read
+    import os
+    import stat
+
+    out = tmp_path / "run"
+    train_in_process("mnist_cnn", f"output_dir={out}", *TINY_RUN, "train.ema_decay=0.9", "data.val_fraction=0.25",
+                     "checkpoint.best_metric=accuracy", "checkpoint.every_steps=1")
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.relative_to(out): stat.S_IMODE(path.stat().st_mode) for path in out.rglob("*") if path.is_file()}
+    assert {"model.safetensors", "model_ema.safetensors", "model_best.safetensors", "config.yaml"} <= {
+        str(path) for path in modes}
+    assert any(path.name == "model.safetensors" and path.parent.name.startswith("step-") for path in modes)
+    assert {path: mode for path, mode in modes.items() if mode != 0o666 & ~umask} == {}
 
 
 @pytest.mark.parametrize("recipe, data_name, extra", [
