@@ -147,8 +147,8 @@ class Checkpoints:
         existing = list_checkpoints(self.directory)
         files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*"))
                  if path.is_file()}
+        usual_permissions(*(partial / relative for relative in files))
         for relative in files:  # durable before the rename publishes them
-            usual_permissions(partial / relative)
             _fsync(partial / relative)
         seconds += time.perf_counter() - fsync_started
         meta = {

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from accel_train.errors import UserError, usual_permissions
+from accel_train.errors import UserError
 
 EMA_FILE = "model_ema.safetensors"
 
@@ -40,4 +40,3 @@ class WeightsEMA:
     def export(self, output_dir: str) -> None:
         if self.accelerator.is_main_process:
             save_model(self.model, str(Path(output_dir) / EMA_FILE))
-            usual_permissions(Path(output_dir) / EMA_FILE)

@@ -201,10 +201,10 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
             observers.on_eval(progress, final, "test")
         with writing(Path(config.output_dir) / MODEL_FILE, "exporting the trained model"):
             accelerator.save_model(model, config.output_dir)
-            if accelerator.is_main_process:  # model.safetensors, or its shards for a model over 10 GB
-                usual_permissions(*Path(config.output_dir).glob("model*.safetensors"))
             if ema:
                 ema.export(config.output_dir)
+            if accelerator.is_main_process:  # model.safetensors (or its shards over 10 GB) and model_ema
+                usual_permissions(*Path(config.output_dir).glob("model*.safetensors"))
         observers.on_train_end(progress)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
     return final

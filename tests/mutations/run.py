@@ -17,6 +17,7 @@ import argparse
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,24 +126,19 @@ def run_tests(tests: tuple[str, ...]) -> tuple[int, list[str], float]:
     return result.returncode, failed, time.monotonic() - started
 
 
+@contextmanager
 def mutated(mutation: Mutation):
     """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def applied():
-        path = REPO / mutation.file
-        source = path.read_text()
-        if source.count(mutation.original) != 1:
-            raise SystemExit(f"{mutation.name}: the text to break is no longer found once in {mutation.file}; "
-                             "update tests/mutations/run.py")
-        path.write_text(source.replace(mutation.original, mutation.broken))
-        try:
-            yield
-        finally:
-            path.write_text(source)
-
-    return applied()
+    path = REPO / mutation.file
+    source = path.read_text()
+    if source.count(mutation.original) != 1:
+        raise SystemExit(f"{mutation.name}: the text to break is no longer found once in {mutation.file}; "
+                         "update tests/mutations/run.py")
+    path.write_text(source.replace(mutation.original, mutation.broken))
+    try:
+        yield
+    finally:
+        path.write_text(source)
 
 
 def main(argv: list[str]) -> int:
@@ -152,6 +148,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip running the selected tests unbroken first")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.names or any(word in m.name for word in args.names)]
+    if not chosen:
+        print(f"no mutation's name contains {' or '.join(map(repr, args.names))}; choose words from:", file=sys.stderr)
     if args.list or not chosen:
         print("\n".join(m.name for m in MUTATIONS))
         return 0 if args.list else 2
