@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
+from accel_train.runs import TIMING
 from conftest import (
     PYTHON,
     REPO,
@@ -148,7 +149,7 @@ def test_the_python_api_trains_objects_in_place_of_names_and_records_them(tmp_pa
     (lambda api: api.train("mnist_cnn", train_dataset=Tagged(10, 0)), ["give both, or neither"]),
     (lambda api: api.train("mnist_cnn", task=object()), ["task: found object", "accel_train.Task"]),
     (lambda api: api.train("mnist_cnn", "train.lr=0.1"), ["pass a list of key=value strings"]),
-    (lambda api: api.evaluate("mnist_cnn", "/nonexistent/run"), ["no model.safetensors there"]),
+    (lambda api: api.evaluate("mnist_cnn", "/nonexistent/run"), ["/nonexistent/run: no such file or folder"]),
 ])
 def test_the_python_api_raises_user_error_with_the_command_lines_one_line(call, words):
     import accel_train
@@ -202,8 +203,8 @@ def same_metrics(evaluated: dict, b: dict, processes: int) -> None:
     and floats equal but for summation order (1e-6)."""
     a = dict(evaluated)
     assert a.pop("num_processes") == processes
-    names = a.keys() - {"split", "epoch", "step", "elapsed_s"}
-    assert names == b.keys() - {"split", "epoch", "step", "elapsed_s"}
+    names = a.keys() - {"split", "epoch", "step", *TIMING}
+    assert names == b.keys() - {"split", "epoch", "step", *TIMING}
     for name in names:
         if isinstance(b[name], float):
             assert a[name] == pytest.approx(b[name], rel=1e-6), name
