@@ -50,7 +50,7 @@ COMMANDS = {
   accel-train eval runs/fm                                  # the run's own config: model, data, image size
   accel-train eval runs/fm data.eval_subset=1000 train.eval_batch_size=500
   accel-train eval runs/fm split=val                        # the validation split the run held out
-  accel-train eval runs/fm/checkpoints/step_000938          # one checkpoint of the run
+  accel-train eval runs/fm/checkpoints/step-00000938        # one checkpoint of the run
   accel-train eval fashion_mnist_cnn checkpoint=model.safetensors   # weights without their run folder
 Settings that change what the weights mean (model.*, data.name, data.image_size, data.normalize, data.mean,
 data.std, data.num_classes, task) must agree with the run's; data.root, data.eval_subset, train.eval_batch_size
@@ -225,13 +225,12 @@ def _run(args: argparse.Namespace) -> None:
         check_resume(config)
     else:  # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
         from accel_train.api import recipe_and_checkpoint
-        from accel_train.run_folder import refuse_other_settings
+        from accel_train.run_folder import check_split, refuse_other_settings
 
         recipe, checkpoint = recipe_and_checkpoint(recipe, given.get("checkpoint"), args.command)
         config = load_config(recipe, overrides)
         refuse_other_settings(config, checkpoint, args.command)
-        if given.get("split", "test") not in ("test", "val"):
-            raise UserError(f"split={given['split']}: choose test or val (the validation split the run held out)")
+        check_split(given.get("split", "test"))
 
     from accel_train.distributed import is_reporting_process
 

@@ -60,7 +60,7 @@ from accel_train.meter import TrainMeter
 from accel_train.models import tune_for_device
 from accel_train.observers import Console, Observers, Progress
 from accel_train.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
-from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir, results_of
+from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir, check_split, results_of
 from accel_train.selection import ModelSelection
 from accel_train.tasks import Task, task_named
 from accel_train.tasks.base import check_mixing
@@ -254,8 +254,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
     split. The metrics come with `num_processes`, the world size that computed them: the same metrics from any
     world size is the contract, and a launch that formed no process group would show 1 here (if the world-size
     check let it run)."""
-    if split not in ("test", "val"):
-        raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
+    check_split(split)
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     state = read_weights(weights_file(checkpoint))

@@ -70,6 +70,11 @@ def refuse_other_settings(config: Config, checkpoint: str, command: str) -> None
                               f"its own: accel-train {command} {run or checkpoint} ...)")
 
 
+def check_split(split: str) -> None:
+    if split not in ("test", "val"):
+        raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
+
+
 def results_of(config: Config, has_classes: bool, tracking: bool) -> list[str]:
     """What a finished run leaves in its output_dir, for the summary it prints."""
     from accel_train.ema import EMA_FILE

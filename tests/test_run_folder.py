@@ -110,6 +110,8 @@ def test_the_run_records_when_where_and_how_it_started_and_when_each_line_was_wr
     (["predict", "{run}"], "predict needs input=PATH"),
     (["eval", "checkpoint={tmp}"], "has no config.yaml in its run folder to say how it was trained: pass the recipe"),
     (["eval", "checkpoint={tmp}/nothing"], "no such file or folder"),
+    (["eval", "{run}", "split=train"], "split=train: choose test or val"),
+    (["eval", "{run}", "split=val"], "was trained without a validation split"),
 ])
 def test_eval_and_predict_say_what_is_missing(run, tmp_path, capsys, args, says):
     with pytest.raises(SystemExit) as stop:

@@ -304,8 +304,12 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
     broken.write_bytes((image_run / "inputs" / "photo_01.jpg").read_bytes()[:100])
     with pytest.raises(UnreadableFileError, match=f"cannot read {broken}"):
         accel_train.predict("imagefolder", run, broken, settings)
-    with pytest.raises(UserError, match="predict reads image files"):
+    with pytest.raises(UserError, match="data.name=user_models:points \\(trained with imagefolder\\)"):
         accel_train.predict(USER_RECIPE, run, broken, ["data.name=user_models:points"])
+    from accel_train.prediction import predict  # past the run's check: a recipe whose data are not images
+
+    with pytest.raises(UserError, match="predict reads image files"):
+        predict(load_config(USER_RECIPE, ["data.name=user_models:points"]), str(run), str(broken))
 
 
 def test_predict_converts_an_image_as_the_recipes_eval_data_is(tmp_path):

@@ -11,7 +11,6 @@ import yaml
 from PIL import Image
 
 from accel_train.errors import UserError
-from accel_train.runs import TIMING
 from accel_train.tracking import installed, tracker_names
 from conftest import (
     FASHION_MNIST,
@@ -26,7 +25,7 @@ from conftest import (
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=256", "data.val_fraction=0.25",
        "data.eval_subset=100", "model.dropout=false", "train.batch_size=32", "train.eval_batch_size=50",
        "train.log_every_steps=1"]
-NOT_SCALARS = ("split", "epoch", "step", *TIMING)
+NOT_SCALARS = ("split", "epoch", "step", "elapsed_s", "time")  # samples_per_s is a scalar
 
 
 def scalars_of_metrics_jsonl(out) -> dict[str, list[tuple[int, float]]]:
@@ -86,6 +85,16 @@ def two_runs(tmp_path_factory):
     train_in_process(*RUN, "train.epochs=2", f"output_dir={root / 'base'}")
     train_in_process(*RUN, "train.epochs=1", "train.lr=0.003", "train.log_with=none", f"output_dir={root / 'fast'}")
     return root
+
+
+def test_eval_of_a_run_evaluates_its_validation_or_test_split_as_training_did(two_runs):
+    from accel_train import evaluate
+
+    run = two_runs / "fast"
+    for split, samples in (("val", 64), ("test", 100)):
+        metrics, final = evaluate(run, split=split), read_metrics(run, split)[-1]
+        assert metrics["num_samples"] == final["num_samples"] == samples
+        assert metrics["loss"] == pytest.approx(final["loss"], abs=1e-6), split
 
 
 def test_runs_tabulates_every_run_under_a_folder_from_its_own_files(two_runs):
