@@ -110,7 +110,7 @@ MUTATIONS = [
              ("tests/test_doctor.py::test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_the_main_nodes_rendezvous",)),
     Mutation("eval and resume take any setting, whatever the run was trained with",
              "accel_train/config.py", "    found = contradictions(recorded, config)\n", "    found = []\n",
-             ("tests/test_run_folder.py::-k contradicts",)),
+             ("tests/test_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
     Mutation("the checkpoint line printed over the progress bar",
              "accel_train/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
              ("tests/test_watching.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
