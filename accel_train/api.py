@@ -3,28 +3,32 @@
     import accel_train
 
     metrics = accel_train.train("fashion_mnist_cnn", ["train.epochs=3", "output_dir=runs/mine"], model=MyNet())
-    accel_train.evaluate("fashion_mnist_cnn", "runs/mine", model=MyNet())
-    rows = accel_train.predict("fashion_mnist_cnn", "runs/mine", "photos/", output="predictions.csv")
+    accel_train.evaluate("runs/mine", model=MyNet())      # a run folder is its own recipe
+    rows = accel_train.predict("runs/mine", inputs="photos/", output="predictions.csv")
 
 A script that calls them runs under any launcher, unchanged: `python my_script.py`, `accelerate launch
 --config_file accelerate_configs/multi_gpu.yaml my_script.py`, `torchrun --nproc_per_node 2 my_script.py`.
 Every process runs the script, so it must build the same model and data on each (seed what is random).
 
-`recipe` is a shipped recipe's name, a YAML file or a Config (`load_config`); `overrides` are `key=value`
-strings as on the command line. Objects given (a task, a model, datasets) take the place of the names
-the recipe gives; config.yaml records them as <module.Class>. Mistakes raise `accel_train.UserError`
-with the one line the command line would print.
+`recipe` is a shipped recipe's name, a YAML file, a run folder (its config.yaml) or a Config (`load_config`);
+`overrides` are `key=value` strings as on the command line. evaluate and predict take the run folder alone,
+or a recipe and `checkpoint`; either way a setting that changes what the weights mean (model.*, data.name,
+data.image_size, data.normalize, task) must agree with the run's. Objects given (a task, a model,
+datasets) take the place of the names the recipe gives; config.yaml records them as <module.Class>.
+Mistakes raise `accel_train.UserError` with the one line the command line would print.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.config import Config, load_config
-from accel_train.errors import UserError
+from accel_train.config import CONFIG_FILE, Config, load_config
+from accel_train.errors import DataNotFoundError, UserError
 from accel_train.imports import given_object_name
 from accel_train.installed import check_versions
+from accel_train.run_folder import refuse_other_settings, run_of
 
 if TYPE_CHECKING:
     import torch
@@ -45,25 +49,63 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     return loop.train(config, task=task, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset)
 
 
-def evaluate(recipe: str | Config, checkpoint: str, overrides: Sequence[str] = (), *,
-             model: torch.nn.Module | None = None, eval_dataset: Dataset | None = None,
-             task: Task | None = None) -> dict:
-    """Metrics of the weights in `checkpoint` (a run folder, a checkpoint folder or a model.safetensors) on the
-    evaluation data, over exactly its samples at any world size, plus `num_processes` (the world size)."""
+def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, overrides: Sequence[str] = (), *,
+             model: torch.nn.Module | None = None, eval_dataset: Dataset | None = None, task: Task | None = None,
+             split: str = "test") -> dict:
+    """Metrics of the weights in `checkpoint` (a run folder, a checkpoint folder or a model.safetensors; unset:
+    the run folder given as `recipe`) on the test split (or split="val", the run's validation split), over
+    exactly its samples at any world size, plus `num_processes` (the world size)."""
     from accel_train import loop
 
+    recipe, checkpoint = recipe_and_checkpoint(recipe, checkpoint, "eval")
     config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)
-    return loop.evaluate_checkpoint(config, str(checkpoint), task=task, model=model, eval_dataset=eval_dataset)
+    refuse_other_settings(config, checkpoint, "eval")
+    return loop.evaluate_checkpoint(config, checkpoint, task=task, model=model, eval_dataset=eval_dataset,
+                                    split=split)
 
 
-def predict(recipe: str | Config, checkpoint: str, inputs: str, overrides: Sequence[str] = (), *,
-            output: str | None = None, model: torch.nn.Module | None = None, task: Task | None = None) -> list[dict]:
+def predict(recipe: str | Config | None = None, checkpoint: str | None = None, inputs: str | None = None,
+            overrides: Sequence[str] = (), *, output: str | None = None, model: torch.nn.Module | None = None,
+            task: Task | None = None) -> list[dict]:
     """The top `predict.top_k` labels and scores of each image file under `inputs` (a file, a folder searched
-    recursively, or a glob): rows {"path", "labels", "scores"} sorted by path, also written as CSV to `output`."""
+    recursively, or a glob): rows {"path", "labels", "scores"} sorted by path, also written as CSV to `output`.
+    `checkpoint` unset: the run folder given as `recipe`."""
     from accel_train.prediction import predict as run
 
+    if inputs is None:
+        raise UserError("predict needs inputs: an image file, a folder or a glob, e.g. inputs='photos/'")
+    recipe, checkpoint = recipe_and_checkpoint(recipe, checkpoint, "predict")
     config = _with_objects(_config(recipe, overrides), model, task, None, None)
-    return run(config, str(checkpoint), str(inputs), output, task=task, model=model)
+    refuse_other_settings(config, checkpoint, "predict")
+    return run(config, checkpoint, str(inputs), output, task=task, model=model)
+
+
+def recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
+                          command: str) -> tuple[str | Config, str]:
+    """`eval RUN`, `eval checkpoint=PATH` (the run PATH belongs to gives the config) and `eval RECIPE
+    checkpoint=PATH`: the recipe and the weights, or a line saying which is missing."""
+    if checkpoint is None:
+        if recipe is None:
+            raise UserError(f"{command} needs a run: accel-train {command} RUN (a training run's output_dir), or "
+                            f"accel-train {command} RECIPE checkpoint=PATH")
+        run = None if isinstance(recipe, Config) else Path(recipe) if Path(recipe).is_dir() else \
+            Path(recipe).parent if Path(recipe).name == CONFIG_FILE else None
+        if run is None or not (run / CONFIG_FILE).is_file():
+            raise UserError(f"{command} {recipe if isinstance(recipe, str) else 'of a Config'} needs checkpoint=PATH: "
+                            "the run folder, checkpoint folder or model.safetensors whose weights to use (a run "
+                            f"folder alone is enough: accel-train {command} RUN)")
+        return recipe, str(run)
+    if not Path(checkpoint).exists():
+        raise DataNotFoundError(f"checkpoint={checkpoint}: no such file or folder; pass a run's output_dir, one of "
+                                "its checkpoint folders or a model.safetensors")
+    if recipe is None:
+        run = run_of(str(checkpoint))
+        if run is None:
+            raise UserError(f"{command}: checkpoint={checkpoint} has no {CONFIG_FILE} in its run folder to say how "
+                            f"it was trained: pass the recipe too, accel-train {command} RECIPE "
+                            f"checkpoint={checkpoint}")
+        return str(run), str(checkpoint)
+    return recipe, str(checkpoint)
 
 
 def _config(recipe: str | Config, overrides: Sequence[str]) -> Config:

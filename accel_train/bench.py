@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 
 from accel_train.config import Config, load_config
 from accel_train.data import build_dataset, make_loader
-from accel_train.distributed import make_accelerator, plain_process_env
+from accel_train.distributed import dataloader_workers, make_accelerator, plain_process_env
 from accel_train.doctor import cpu_has_bf16
 from accel_train.errors import UserError
 from accel_train.installed import profile_path
@@ -180,7 +180,7 @@ def input_pipeline(config: Config, batches: int, log) -> dict:
         accelerator.free_memory()
     return {"ours_samples_per_s": rates["ours"], "dataloader_samples_per_s": rates["dataloader"],
             "ratio": rates["ours"] / rates["dataloader"], "augment": config.data.augment,
-            "dataloader_workers": config.data.num_workers, "batches": batches}
+            "dataloader_workers": dataloader_workers(config.data.num_workers), "batches": batches}
 
 
 def _drain(loader, batches: int, device: torch.device) -> float:

@@ -24,8 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from accel_train.config import refuse_contradictions
 from accel_train.distributed import any_process, first_message
-from accel_train.errors import UserError, usual_permissions, warn, writing
+from accel_train.errors import UserError, say, usual_permissions, warn, writing
 
 if TYPE_CHECKING:
     import torch
@@ -38,8 +39,6 @@ META_FILE = "checkpoint.json"
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
 LOOP_STATE_FILE = "loop_state_{process}.json"  # one per process: its train meter sums
-# Config keys that decide what the saved tensors mean; a checkpoint that differs in one is another run's.
-IDENTITY_KEYS = ("task", "model.name", "data.name")
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ class Checkpoints:
         os.replace(partial, final)
         _fsync(self.directory)
         size_mb = sum(files.values()) / 2**20
-        print(f"checkpoint step {progress.step} saved in {final} ({size_mb:.1f} MiB, {seconds:.2f} s)", flush=True)
+        say(f"checkpoint step {progress.step} saved in {final} ({size_mb:.1f} MiB, {seconds:.2f} s)")
         return final
 
     def _prune(self) -> None:
@@ -254,17 +253,8 @@ def check_resume(config: Config) -> None:
 
 
 def _refuse_other_identity(folder: Path, meta: dict, config: Config) -> None:
-    def value(tree: dict, key: str):
-        for part in key.split("."):
-            tree = tree.get(part, {}) if isinstance(tree, dict) else {}
-        return tree
-
-    saved, ours = meta["config"], config.to_dict()
-    differ = [key for key in IDENTITY_KEYS if value(saved, key) != value(ours, key)]
-    if differ:
-        raise UserError(f"resume: {folder} is from another run ({', '.join(f'{k}={value(saved, k)}' for k in differ)}; "
-                        f"this run has {', '.join(f'{k}={value(ours, k)}' for k in differ)}); use another output_dir "
-                        "or resume=null")
+    refuse_contradictions(meta["config"], config, f"resume: {folder} is from another run",
+                          "use another output_dir or resume=null")
 
 
 def _read_loop_state(folder: Path, process: int) -> dict | None:

@@ -9,16 +9,18 @@ import sys
 from accel_train.errors import Preempted, UserError
 
 USAGE = """\
-accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a shipped name or a YAML file
-accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate exported weights (a run's output_dir)
-accel-train predict RECIPE checkpoint=RUN input=PATH [output=FILE] [predict.top_k=K ...]
+accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a shipped name, a YAML file or a run's
+                                                         output_dir (its config.yaml)
+accel-train eval RUN [KEY=VALUE ...]                     evaluate a run's exported model with the run's own config
+accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate a run folder, checkpoint or model.safetensors
+accel-train predict RUN input=PATH [output=FILE] [predict.top_k=K ...]
                                                          top labels of image files (file, folder or glob) as CSV
 accel-train runs DIR [--diff A B] [--json]               table of the runs under DIR; config keys A and B differ in
 accel-train plot RUN [RUN ...] [output=FILE]             loss, eval metrics and LR of runs, overlaid, as a PNG
 accel-train recipes                                      list shipped recipes
+accel-train keys [RECIPE]                                every config key with its meaning and value (a recipe's)
 accel-train profiles                                     list shipped launch profiles (accelerate configs)
 accel-train profile NAME                                 the installed file of a profile, for --config_file
-accel-train keys                                         list every config key with its meaning
 accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
 accel-train launch [--join_timeout S] ACCELERATE_LAUNCH_ARGS... -m accel_train train RECIPE ...
                                                          accelerate launch, once every machine has joined (says
@@ -26,29 +28,64 @@ accel-train launch [--join_timeout S] ACCELERATE_LAUNCH_ARGS... -m accel_train t
 accel-train bench [--quick] [RECIPE] [KEY=VALUE ...]     our loop vs plain PyTorch, input pipeline, scaling, FLOP/s
 accel-train --version                                    versions of accel-train, torch, torchvision, accelerate;
                                                          the devices visible
+accel-train COMMAND --help                               one command's usage, with examples
 
 Multi-process: accelerate launch --config_file "$(accel-train profile multi_gpu)" -m accel_train train RECIPE
            or: torchrun --nproc_per_node N -m accel_train train RECIPE
 """
+
+OVERRIDES = "KEY=VALUE: dotted config overrides, optional (e.g. train.lr=0.01; `accel-train keys` lists them)"
+
+# name: (one line, usage, examples)
+COMMANDS = {
+    "train": ("train a recipe", "accel-train train RECIPE [KEY=VALUE ...]", """\
+  accel-train train fashion_mnist_cnn
+  accel-train train fashion_mnist_cnn train.epochs=3 train.lr=3e-4 output_dir=runs/fm
+  accel-train train fashion_mnist_cnn output_dir=runs/fm resume=auto     # continue after a stop
+  accel-train train runs/fm output_dir=runs/fm_again                     # the run's config.yaml as the recipe
+  accelerate launch --config_file "$(accel-train profile multi_gpu)" -m accel_train train fashion_mnist_cnn"""),
+    "eval": ("evaluate a run's exported model",
+             "accel-train eval RUN [split=val] [KEY=VALUE ...]\n       accel-train eval RECIPE checkpoint=PATH "
+             "[KEY=VALUE ...]", """\
+  accel-train eval runs/fm                                  # the run's own config: model, data, image size
+  accel-train eval runs/fm data.eval_subset=1000 train.eval_batch_size=500
+  accel-train eval runs/fm split=val                        # the validation split the run held out
+  accel-train eval runs/fm/checkpoints/step-00000938        # one checkpoint of the run
+  accel-train eval fashion_mnist_cnn checkpoint=model.safetensors   # weights without their run folder
+Settings that change what the weights mean (model.*, data.name, data.image_size, data.normalize, data.mean,
+data.std, data.num_classes, task) must agree with the run's; data.root, data.eval_subset, train.eval_batch_size
+and the like may differ. Prints the metrics as JSON on stdout, with num_samples and num_processes."""),
+    "predict": ("the top labels of image files, as CSV",
+                "accel-train predict RUN input=PATH [output=FILE] [KEY=VALUE ...]", """\
+  accel-train predict runs/imagefolder input=photos/                         # -> predictions.csv
+  accel-train predict runs/imagefolder input='photos/*.jpg' output=out.csv predict.top_k=3
+INPUT is an image file, a folder (searched recursively) or a quoted glob. The class names come from the
+run folder's classes.json; as with eval, settings that change what the weights mean must agree with the run's."""),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-train", description="Train PyTorch models on 1 GPU, N GPUs or N "
                                      "machines with one code path (Hugging Face Accelerate).", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text in (("train", "train a recipe"), ("eval", "evaluate a run's exported model"),
-                       ("predict", "the top labels of image files, as CSV")):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("recipe", help="shipped recipe name (see `accel-train recipes`) or path to a YAML file")
-        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                             help="dotted config overrides, e.g. train.lr=0.01")
+    for name, (text, usage, examples) in COMMANDS.items():
+        command = commands.add_parser(name, help=text, usage=usage, prog=f"accel-train {name}",
+                                      description=text[0].upper() + text[1:] + ".", epilog="examples:\n" + examples,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == "train":
+            command.add_argument("recipe", metavar="RECIPE", help="a shipped recipe (`accel-train recipes`), a YAML "
+                                 "file, or a run's output_dir (the config.yaml it ran with)")
+        else:
+            command.add_argument("recipe", metavar="RUN", nargs="?", help="a training run's output_dir; or a recipe, "
+                                 "with checkpoint=PATH")
+        command.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     bench = commands.add_parser("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
     bench.add_argument("--quick", action="store_true", help="short windows, one round (CPU / CI friendly)")
     bench.add_argument("--processes", type=int, help="processes for the scaling table (default: GPUs, or 2 on CPU)")
     bench.add_argument("--peak-tflops", type=float, help="device peak for the utilisation (default: measured matmul)")
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
-    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides for every run")
+    bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     runs = commands.add_parser("runs", help="table of runs: recipe, processes, precision, steps, best and final "
                                "eval metric, wall time, samples/s")
     runs.add_argument("folder", metavar="DIR", help="a run's output_dir, or a folder holding runs (e.g. runs)")
@@ -63,7 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("profiles", help="list shipped launch profiles")
     profile = commands.add_parser("profile", help="print the installed file of a launch profile")
     profile.add_argument("name", help="a profile name from `accel-train profiles`, e.g. multi_gpu")
-    commands.add_parser("keys", help="list config keys")
+    keys = commands.add_parser("keys", help="list config keys with their meaning and values", prog="accel-train keys",
+                               usage="accel-train keys [RECIPE] [KEY=VALUE ...]",
+                               epilog="examples:\n  accel-train keys\n  accel-train keys imagefolder\n"
+                               "  accel-train keys runs/fm          # what a run ran with",
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys.add_argument("recipe", nargs="?", metavar="RECIPE", help="show this recipe's values (a shipped name, a "
+                      "YAML file or a run's output_dir) instead of the defaults")
+    keys.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
                                  "accelerate config, multi-node network; exit 1 on any problem")
     from accel_train.doctor import add_arguments  # no torch import: the module imports it only when run
@@ -90,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # `accel-train keys | head`: the reader left; no traceback, as other tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
 
 
 def _print_versions() -> None:
@@ -119,7 +168,7 @@ def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from accel_train.config import describe_keys, list_recipes, load_config
+    from accel_train.config import Config, describe_keys, list_recipes, load_config, spelled
 
     if args.command == "recipes":
         for name, description in list_recipes().items():
@@ -141,8 +190,10 @@ def _run(args: argparse.Namespace) -> None:
     if args.command in ("runs", "plot"):
         return _look(args)
     if args.command == "keys":
-        for key, type_name, text, default in describe_keys():
-            print(f"{key:24s} {type_name:12s} default {default!s:10s} {text}")
+        recipe, overrides = _recipe_or_override(args.recipe, args.overrides)
+        values = load_config(recipe if recipe is not None else Config(), overrides) if recipe or overrides else None
+        for key, type_name, text, value in describe_keys(values):
+            print(f"{key:24s} {type_name:12s} {'default' if values is None else 'value'} {spelled(value):10s} {text}")
         return
     from accel_train.installed import check_versions
 
@@ -160,9 +211,11 @@ def _run(args: argparse.Namespace) -> None:
 
         run_bench(recipe, overrides, args.quick, args.processes, args.peak_tflops, args.steps)
         return
+    recipe, overrides = _recipe_or_override(args.recipe, overrides)
     given, overrides = _arguments(overrides, COMMAND_ARGUMENTS.get(args.command, {}), args.command)
-    config = load_config(args.recipe, overrides)
-    if args.command == "train":  # the run folder and resume=PATH answer before torch loads, as config mistakes do
+    if args.command == "train":
+        config = load_config(recipe, overrides)
+        # The run folder and resume=PATH answer before torch loads, as config mistakes do.
         from accel_train.checkpoint import check_resume
         from accel_train.run_folder import check_output_dir
         from accel_train.tracking import tracker_names
@@ -170,22 +223,43 @@ def _run(args: argparse.Namespace) -> None:
         tracker_names(config.train.log_with)  # before check_output_dir creates the folder
         check_output_dir(config)
         check_resume(config)
+    else:  # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
+        from accel_train.api import recipe_and_checkpoint
+        from accel_train.run_folder import check_split, refuse_other_settings
 
-    from accel_train import api  # imports torch: only now that the config is known to be valid
+        recipe, checkpoint = recipe_and_checkpoint(recipe, given.get("checkpoint"), args.command)
+        config = load_config(recipe, overrides)
+        refuse_other_settings(config, checkpoint, args.command)
+        check_split(given.get("split", "test"))
+
     from accel_train.distributed import is_reporting_process
+
+    if args.command == "eval" and is_reporting_process():  # torch and the data take seconds: say what is coming
+        print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} "
+              f"{given.get('split', 'test')})...", file=sys.stderr, flush=True)
+    from accel_train import api  # imports torch: only now that the config is known to be valid
 
     if args.command == "train":
         api.train(config)
     elif args.command == "eval":
-        metrics = api.evaluate(config, given["checkpoint"])
+        metrics = api.evaluate(config, checkpoint, split=given.get("split", "test"))
         if is_reporting_process():
-            print(f"accel-train eval: {given['checkpoint']}: {_described(metrics)}", file=sys.stderr, flush=True)
+            print(f"accel-train eval: {checkpoint}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
         output = given.get("output", "predictions.csv")
-        rows = api.predict(config, given["checkpoint"], given["input"], output=output)
+        rows = api.predict(config, checkpoint, given["input"], output=output)
         if is_reporting_process():
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
+
+
+def _recipe_or_override(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """`eval checkpoint=RUN` and `keys train.lr=1`: the first argument is an override, not a recipe."""
+    from pathlib import Path
+
+    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+        return None, [recipe, *overrides]
+    return recipe, list(overrides)
 
 
 def _described(metrics: dict) -> str:
@@ -228,9 +302,8 @@ def _look(args: argparse.Namespace) -> None:
 
 # Arguments a command takes as NAME=VALUE beside the config overrides: name -> what it is (None: optional).
 COMMAND_ARGUMENTS = {
-    "eval": {"checkpoint": "checkpoint=PATH (a run's output_dir, a checkpoint folder or a model.safetensors)"},
-    "predict": {"checkpoint": "checkpoint=RUN (the output_dir of a training run)",
-                "input": "input=PATH (an image file, a folder or a glob)", "output": None},
+    "eval": {"checkpoint": None, "split": None},
+    "predict": {"checkpoint": None, "input": "input=PATH (an image file, a folder or a glob)", "output": None},
 }
 
 
@@ -243,5 +316,5 @@ def _arguments(overrides: list[str], names: dict, command: str) -> tuple[dict[st
             given[name] = value
     missing = [text for name, text in names.items() if text and name not in given]
     if missing:
-        raise UserError(f"{command} needs {' and '.join(missing)}")
+        raise UserError(f"{command} needs {' and '.join(missing)}: {COMMANDS[command][1]}")
     return given, [o for o in overrides if o.partition("=")[0] not in names]

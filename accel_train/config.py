@@ -16,9 +16,14 @@ from typing import Any, Literal
 import yaml
 
 from accel_train.errors import UserError
-from accel_train.imports import add_search_dir
+from accel_train.imports import add_search_dir, is_given_object
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
+CONFIG_FILE = "config.yaml"  # the resolved config a run writes to its output_dir, itself a recipe
+# Keys that decide what trained weights mean (model.* too): evaluating, predicting or resuming with another value
+# would silently give other numbers, so a value that contradicts the run's is refused.
+MEANING_KEYS = ("task", "data.name", "data.num_classes", "data.image_size", "data.normalize", "data.mean",
+                "data.std")
 
 
 def doc(text: str, **kwargs: Any) -> Any:
@@ -52,7 +57,8 @@ class DataConfig:
                                    "model.pretrained the weights' own)", default=None)
     std: list[float] | None = doc("per-channel standard deviation for normalize (unset: as data.mean)", default=None)
     image_size: int | None = doc("resize images to this side length (STL-10, ImageFolder)", default=None)
-    num_workers: int = doc("DataLoader worker processes per process (file-backed datasets)", default=4)
+    num_workers: int | Literal["auto"] = doc("DataLoader worker processes per process (file-backed datasets); auto: "
+                                             "the CPU cores this machine has per process, at most 8", default="auto")
     on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "
                           "batches there (false = per-sample torchvision transforms in DataLoader workers)",
                           default=True)
@@ -126,7 +132,9 @@ class TrainConfig:
     early_stop_mode: Literal["max", "min"] | None = doc("whether higher (max) or lower (min) early_stop_metric is "
                                                         "better (unset: checkpoint.best_mode)", default=None)
     early_stop_min_delta: float = doc("an improvement smaller than this does not count as one", default=0.0)
-    log_every_steps: int = doc("write a train line to metrics.jsonl every N optimizer steps", default=50)
+    log_every_steps: int | None = doc("write a train line to metrics.jsonl every N optimizer steps (unset: every "
+                                      "50, or every tenth of a shorter run so that it still gets 10 lines)",
+                                      default=None)
     progress_bar: bool = doc("show a tqdm progress bar on the main process (when stderr is a terminal)", default=True)
     progress_every_s: float = doc("without a bar (logs that are not a terminal: CI, SLURM), print one progress line "
                                   "every N seconds (0 = none)", default=30.0)
@@ -222,9 +230,11 @@ def load_config(recipe: str | Config, overrides: list[str] = ()) -> Config:
 
 def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:
     path = Path(recipe)
-    if path.is_dir():
-        raise UserError(f"recipe {recipe} is a folder; pass a YAML file or a shipped recipe name "
-                        f"({', '.join(list_recipes())})")
+    if path.is_dir() and (path / CONFIG_FILE).is_file():  # a run folder: the config it ran with
+        path = path / CONFIG_FILE
+    elif path.is_dir():
+        raise UserError(f"recipe {recipe} is a folder without {CONFIG_FILE}, so not a run; pass a YAML file, a "
+                        f"run's output_dir or a shipped recipe name ({', '.join(list_recipes())})")
     if path.suffix in (".yaml", ".yml") and path.is_file():
         add_search_dir(path.parent)  # import paths in it find the modules beside it
     else:
@@ -240,6 +250,7 @@ def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:
         raise UserError(f"recipe {path} cannot be read as text ({err})") from None
     if not isinstance(tree, dict):
         raise UserError(f"recipe {path} must be a mapping of config keys")
+    tree.pop("run", None)  # what a run's config.yaml records of its launch: facts, not settings
     base = tree.pop("base", None)
     if base is None:
         return tree
@@ -347,6 +358,8 @@ def _coerce(key: str, hint: Any, value: Any, from_text: bool = False) -> Any:
             return _coerce_any(key, members, value, from_text)
         (hint,) = members
         origin, args = typing.get_origin(hint), typing.get_args(hint)
+    elif _is_union(hint):
+        return _coerce_any(key, list(args), value, from_text)
     if origin is list:
         value = _yaml_value(key, value) if from_text else value
         if not isinstance(value, (list, tuple)) or not all(
@@ -435,27 +448,86 @@ def _type_name(hint: Any) -> str:
     return hint.__name__
 
 
-def describe_keys() -> list[tuple[str, str, str, Any]]:
-    """(key, type, help, default) for every config key, for the README and `accel-train keys`."""
+def describe_keys(values: Config | None = None) -> list[tuple[str, str, str, Any]]:
+    """(key, type, help, value) for every config key, for the README and `accel-train keys`: the defaults, or the
+    values of `values` (a recipe's)."""
     rows = []
 
-    def walk(cls: type, prefix: str) -> None:
+    def walk(cls: type, node: Any, prefix: str) -> None:
         hints = _hints(cls)
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], prefix + f.name + ".")
+                walk(hints[f.name], getattr(node, f.name) if node is not None else None, prefix + f.name + ".")
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else \
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-            type_name = _type_name(hints[f.name])
-            rows.append((prefix + f.name, type_name, f.metadata.get("help", ""), default))
+            if node is not None:
+                value = getattr(node, f.name)
+            else:
+                value = f.default if f.default is not dataclasses.MISSING else \
+                    f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            rows.append((prefix + f.name, _type_name(hints[f.name]), f.metadata.get("help", ""), value))
 
-    walk(Config, "")
+    walk(Config, values, "")
     return rows
 
 
+START_FACTS = ("started", "host", "command")  # config.yaml's run.* facts of this start, different every time
+
+
 def save_config(config: Config, path: Path, run_info: dict) -> None:
-    """Write the fully resolved config plus how the run was launched (world size, precision, versions)."""
+    """Write the fully resolved config plus how the run was launched (when, where, the command line, processes,
+    precision, versions). A recipe in itself: `run:` is read back as a record, not applied."""
+    import shlex
+    import socket
+    import sys
+    from datetime import datetime
+
     tree = config.to_dict()
-    tree["run"] = {"recipe": config.recipe, **run_info}
+    started = datetime.now().astimezone().isoformat(timespec="seconds")
+    program = Path(sys.argv[0]).name
+    command = shlex.join([*(["python", "-m", "accel_train"] if program == "__main__.py" else [program]), *sys.argv[1:]])
+    tree["run"] = {"recipe": config.recipe, "started": started, "host": socket.gethostname(), "command": command,
+                   **run_info}
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
+
+
+def spelled(value: Any) -> str:
+    """A value as an override takes it: null, true, 0.001, [0.5, 0.5], {depth: 3}, text unquoted."""
+    if isinstance(value, str):
+        return value if value else '""'
+    return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 0.1}} -> {"train.lr": 0.1}; mappings that are values (model.args) are walked too."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]:
+    """(key, recorded value, value in `config`) for each key that decides what trained weights mean
+    (MEANING_KEYS, model.*) on which `config` differs from a run's recorded config. Keys the record lacks (a run
+    of an older version) are not compared, nor those an object given in Python stands in for (<module.Class>):
+    that object is the caller's to match."""
+    def settings(tree: dict) -> dict[str, Any]:  # section.key -> value; a mapping such as model.args stays whole
+        return {f"{name}.{key}" if isinstance(section, dict) else name: value
+                for name, section in tree.items() if name != "run"
+                for key, value in (section.items() if isinstance(section, dict) else [(None, section)])}
+
+    saved, ours = settings(recorded), settings(config.to_dict())
+    given = [value for value in ours.values() if isinstance(value, str) and is_given_object(value)]
+    return [(key, saved[key], ours.get(key)) for key in saved
+            if (key in MEANING_KEYS or key.startswith("model.")) and saved[key] != ours.get(key)
+            and ours.get(key) not in given]
+
+
+def refuse_contradictions(recorded: dict, config: Config, what: str, remedy: str) -> None:
+    """One line naming every contradicting key with both values, e.g. for `eval RECIPE checkpoint=RUN`."""
+    found = contradictions(recorded, config)
+    if found:
+        listed = ", ".join(f"{key}={spelled(ours)} (trained with {spelled(saved)})" for key, saved, ours in found)
+        raise UserError(f"{what}: {listed}; {remedy}")

@@ -26,6 +26,7 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
+from accel_train.distributed import dataloader_workers
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
 from accel_train.imports import check_call, import_object, is_given_object, is_import_path
 from accel_train.registry import Registry
@@ -525,6 +526,6 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
             return DataLoader(dataset.to(device), batch_size=global_batch, shuffle=train, drop_last=train,
                               collate_fn=keep_batch, generator=generator)
         dataset = PerSampleImages(dataset, cfg.trivial_augment, cfg.random_erasing)
-    workers = cfg.num_workers
+    workers = dataloader_workers(cfg.num_workers)
     return DataLoader(dataset, batch_size=global_batch, shuffle=train, drop_last=train, num_workers=workers,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0, generator=generator)

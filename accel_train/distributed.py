@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from accel_train.errors import LaunchError, UserError
+from accel_train.errors import LaunchError, UserError, say
 
 if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report errors without them
     import torch
@@ -43,6 +43,15 @@ def launcher_restarts() -> tuple[int, int]:
     """(restarts of the worker group so far, restarts allowed) under torchrun / accelerate launch --max_restarts;
     (0, 0) for a plain process. A restart is the launcher starting every process again after one failed."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+
+
+def dataloader_workers(requested: int | str) -> int:
+    """data.num_workers: a number as given; auto, the CPU cores this process may use divided among the processes
+    on this machine (torch warns above the cores it sees), at most 8."""
+    if requested != "auto":
+        return int(requested)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def is_reporting_process() -> bool:
@@ -223,8 +232,8 @@ class StopSignals:
     def _record(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            print(f"accel-train: {self.received} received by process {launcher_ranks()[0]}: saving a "
-                  "checkpoint at the next agreed step, then exiting", file=sys.stderr, flush=True)
+            say(f"accel-train: {self.received} received by process {launcher_ranks()[0]}: saving a checkpoint at the "
+                "next agreed step, then exiting", error=True, nolock=True)
 
     def agreed(self, step: int, now: bool = False) -> bool:
         """True on every process, at the same step, once any process got SIGTERM / SIGINT.

@@ -264,9 +264,11 @@ def check_multi_node(launch: Launch, device: str, timeout: float, report: Report
 
 
 def connect(address: str, ip: str, port: int, timeout: float, report: Report) -> str:
+    """Whether machine 0's rendezvous answers at ip:port: a TCP connection first, then a torch TCPStore request,
+    each given up on after `timeout` seconds (something else may accept connections on that port)."""
     try:
         with socket.create_connection((address, port), timeout=timeout):
-            return f"{ip}:{port} reachable; machine 0 is listening"
+            pass
     except ConnectionRefusedError:
         return (f"{ip} reachable but nothing listens on port {port} yet (fine before machine 0 starts; "
                 "afterwards, a firewall or a wrong main_process_port)")
@@ -276,6 +278,16 @@ def connect(address: str, ip: str, port: int, timeout: float, report: Report) ->
         report.problem(f"cannot reach main_process_ip:port {ip}:{port} from this node ({why} after {timeout:g} s); "
                        "use machine 0's address on a network this node shares and open the port in its firewall")
         return f"{ip}:{port} unreachable"
+    from accel_train.launch import store_answers
+
+    why = store_answers(address, port, timeout)
+    if why is None:
+        return f"{ip}:{port}: machine 0's rendezvous answers (a torch TCPStore)"
+    # A problem: every launch doctor checks (accelerate launch, torchrun, accel-train launch) meets in a TCPStore there.
+    report.problem(f"main_process_ip:port {ip}:{port} accepted a connection, but what answers is not a torch "
+                   f"rendezvous ({why}): another program on that port, or a proxy or firewall accepting connections "
+                   "for it; check main_process_ip, and use a main_process_port that is free on machine 0 on every node")
+    return f"{ip}:{port} accepted a connection, but what answers is not a torch rendezvous"
 
 
 def check_process_group(timeout: float, report: Report) -> None:

@@ -58,12 +58,22 @@ class Preempted(Exception):
     exit_code = 75
 
 
-def warn(accelerator, text: str) -> None:
-    """One warning line on stderr, from the main process only."""
+def say(text: str, error: bool = False, nolock: bool = False) -> None:
+    """A line on stdout (stderr) that leaves a progress bar whole: tqdm clears the bar, the line is printed, and the
+    bar is drawn again below it. `nolock` in a signal handler, which may interrupt tqdm holding its lock."""
     import sys
 
+    from tqdm.auto import tqdm
+
+    stream = sys.stderr if error else sys.stdout
+    with tqdm.external_write_mode(file=stream, nolock=nolock):
+        print(text, file=stream, flush=True)
+
+
+def warn(accelerator, text: str) -> None:
+    """One warning line on stderr, from the main process only."""
     if accelerator.is_main_process:
-        print(f"accel-train: warning: {text}", file=sys.stderr, flush=True)
+        say(f"accel-train: warning: {text}", error=True)
 
 
 FULL_DISK_BYTES = 16 * 2**20  # below this much free space, a failed write is taken to be the full disk

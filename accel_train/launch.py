@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
+import signal
 import socket
 import sys
 import time
+import warnings
 from datetime import datetime, timedelta
 
 from accel_train.errors import LaunchError
@@ -129,6 +132,8 @@ def join(ip: str, port: int, rank: int, machines: int, deadline: float, give_up:
         said = 0.0
         while True:
             reason = reachable(ip, port)
+            if reason is None and (why := store_answers(ip, port, timeout=10)):
+                reason = f"a connection was accepted, but no torch rendezvous answers: {why}"
             if reason is None:
                 try:
                     store = TCPStore(ip, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -161,6 +166,42 @@ def reachable(ip: str, port: int) -> str | None:
         return "timed out: a firewall, or the wrong address"
     except OSError as err:
         return err.strerror or str(err)
+
+
+def store_answers(ip: str, port: int, timeout: float) -> str | None:
+    """None when a torch TCPStore (a launch's rendezvous) answers at ip:port within `timeout` seconds, else why not,
+    in words. A client asks it one read-only question in a child process that is killed after `timeout`: torch's
+    client waits forever on a server that accepts the connection and never answers (another program, a proxy or a
+    firewall), and logs each failed try with a C++ stack trace."""
+    from torch.distributed import TCPStore  # before the fork, so the child only asks
+
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process; the child only asks, then exits
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = os.fork()
+    if child == 0:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            # torch retries for its timeout and overshoots it: half the time leaves its answer inside ours
+            store = TCPStore(ip, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout / 2))
+            store.num_keys()  # changes nothing and waits for nothing; only a TCPStore answers it
+            os.write(write, b"+")
+        except Exception as err:  # any failure means no TCPStore answered; its first line says why
+            os.write(write, b"-" + (str(err).splitlines() or [type(err).__name__])[0][:500].encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = select.poll()
+    answer.register(read, select.POLLIN)
+    try:
+        said = os.read(read, 1024) if answer.poll(timeout * 1000) else None
+    finally:
+        os.close(read)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    if said is None:
+        return f"no answer in {timeout:g} s"
+    return None if said == b"+" else f"torch: {said[1:].decode(errors='replace') or 'the client died'}"
 
 
 def leave(store, rank: int, machines: int) -> None:

@@ -50,6 +50,7 @@ from accel_train.errors import (
     Preempted,
     UnreadableFileError,
     UserError,
+    say,
     usual_permissions,
     warn,
     writing,
@@ -58,8 +59,8 @@ from accel_train.guard import NonFiniteGuard, clip_gradients
 from accel_train.meter import TrainMeter
 from accel_train.models import tune_for_device
 from accel_train.observers import Console, Observers, Progress
-from accel_train.optim import build_optimizer, build_scheduler, total_steps
-from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir, results_of
+from accel_train.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
+from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir, check_split, results_of
 from accel_train.selection import ModelSelection
 from accel_train.tasks import Task, task_named
 from accel_train.tasks.base import check_mixing
@@ -105,6 +106,9 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
 
     progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch),
                         started=started)
+    log_every = log_every_steps(config.train, progress.total_steps)
+    if overrun := schedule_overruns(config.train, steps_per_epoch):
+        warn(accelerator, overrun)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     checkpoints = Checkpoints(config, accelerator)
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
@@ -142,8 +146,8 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
             saved = save(evaluated=True)
             if stopping:
                 raise Preempted(signals.stop_message(progress.step, saved))
-        if stop_early:
-            accelerator.print(f"{selection.describe_stop()}: stopped at step {progress.step}")
+        if stop_early and accelerator.is_main_process:
+            say(f"{selection.describe_stop()}: stopped at step {progress.step}")
         return stop_early
 
     with StopSignals(accelerator, config.train.collective_timeout_s) as signals:  # SIGTERM / SIGINT
@@ -178,7 +182,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
                 meter.update(terms, skipped)
                 progress.step += 1
                 last = progress.step >= progress.total_steps
-                if progress.step % config.train.log_every_steps == 0 or last:
+                if progress.step % log_every == 0 or last:
                     guard.check(progress)  # the host reads: all stop here, or warn
                     observers.on_log(progress, {**meter.compute(), "lr": lr})
                 observers.on_step_end(progress)
@@ -245,16 +249,24 @@ def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) ->
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,
-                        model: torch.nn.Module | None = None, eval_dataset=None) -> dict:
-    """`accel-train eval`: load exported weights (safetensors) and evaluate them on the eval split. The metrics
-    come with `num_processes`, the world size that computed them: the same metrics from any world size is the
-    contract, and a launch that formed no process group would show 1 here (if the world-size check let it run)."""
+                        model: torch.nn.Module | None = None, eval_dataset=None, split: str = "test") -> dict:
+    """`accel-train eval`: load exported weights (safetensors) and evaluate them on the test (or validation)
+    split. The metrics come with `num_processes`, the world size that computed them: the same metrics from any
+    world size is the contract, and a launch that formed no process group would show 1 here (if the world-size
+    check let it run)."""
+    check_split(split)
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     state = read_weights(weights_file(checkpoint))
     accelerator = make_accelerator(config.seed)
     with accelerator.local_main_process_first():
-        eval_data = build_dataset(config.data, train=False, given=eval_dataset)
+        if split == "val":
+            eval_data = hold_out_validation(config.data, config.seed, build_dataset(config.data, train=True))[1]
+            if eval_data is None:
+                raise UserError(f"split=val: {checkpoint} was trained without a validation split "
+                                "(data.val_fraction=0 and no val/ folder); evaluate split=test")
+        else:
+            eval_data = build_dataset(config.data, train=False, given=eval_dataset)
     task.setup(config, eval_data)
     model = load_weights(model if model is not None else task.build_model(config, eval_data), state, config,
                          checkpoint)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accel_train.errors import say
 from accel_train.runs import duration, summarize
 
 
@@ -86,8 +87,9 @@ class Console(Observer):
         print(f"{self.headline}, {progress.total_steps} steps", flush=True)
         if self.progress_bar:
             # disable=None: no bar when stderr is not a terminal; the progress lines below take its place.
+            self.epoch_shown = progress.step // progress.steps_per_epoch
             self.bar = tqdm(total=progress.total_steps, initial=progress.step, unit="step", dynamic_ncols=True,
-                            disable=None)
+                            disable=None, desc=f"epoch {self.epoch_shown}")
             if self.bar.disable:
                 self.bar = None
         self.clock = self.printed_at = time.perf_counter()
@@ -118,8 +120,7 @@ class Console(Observer):
                 f"{duration(progress.elapsed_s())} elapsed, {duration(left)} left")
 
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        line = f"epoch {progress.epoch} step {progress.step} {split}: {shown(metrics)}"
-        (self.bar.write if self.bar is not None else print)(line)
+        say(f"epoch {progress.epoch} step {progress.step} {split}: {shown(metrics)}")
 
     def on_train_end(self, progress: Progress) -> None:
         if self.bar is not None:

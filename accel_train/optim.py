@@ -70,5 +70,24 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
+def log_every_steps(cfg: TrainConfig, total: int) -> int:
+    """Steps between train lines: train.log_every_steps, or unset every 50, often enough for 10 in a short run."""
+    return cfg.log_every_steps or max(1, min(50, total // 10))
+
+
+def schedule_overruns(cfg: TrainConfig, steps_per_epoch: int) -> str | None:
+    """A schedule phase longer than the run (a warmup, the epochs before the first decay), so the run never gets
+    past it: a line to warn with, or None."""
+    total = total_steps(cfg, steps_per_epoch)
+    if cfg.warmup_steps > total:
+        return (f"train.warmup_steps={cfg.warmup_steps} is longer than the run ({total} optimizer steps): the LR never "
+                f"reaches train.lr={cfg.lr:g}; lower train.warmup_steps (e.g. to {total // 10})")
+    decay_epochs = {"step": cfg.lr_step_epochs, "exponential": 1}.get(cfg.schedule)
+    if decay_epochs and decay_epochs * steps_per_epoch > total:
+        return (f"train.schedule={cfg.schedule} decays the LR every {decay_epochs} epoch(s) of {steps_per_epoch} "
+                f"steps, but the run ends after {total}: the LR never decays")
+    return None
+
+
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> LambdaLR:
     return LambdaLR(optimizer, LRFactor(cfg, steps_per_epoch))

@@ -8,12 +8,12 @@ import socket
 from datetime import datetime
 from pathlib import Path
 
-from accel_train.checkpoint import ResumePoint, checkpoints_dir
-from accel_train.config import Config, save_config
+from accel_train.checkpoint import ResumePoint, checkpoints_dir, read_meta
+from accel_train.config import Config, refuse_contradictions, save_config
 from accel_train.distributed import launcher_restarts
 from accel_train.errors import UserError, storage_error, writing
 from accel_train.observers import Observer, Progress
-from accel_train.runs import CONFIG_FILE, METRICS_FILE, STARTS_FILE
+from accel_train.runs import CONFIG_FILE, METRICS_FILE, STARTS_FILE, read_config
 
 MODEL_FILE = "model.safetensors"
 CLASSES_FILE = "classes.json"  # the class names, so predict needs nothing but the run folder
@@ -46,6 +46,33 @@ def check_output_dir(config: Config) -> None:
                             "resume=auto so that restarts continue from the newest checkpoint")
         raise UserError(f"output_dir={config.output_dir} already holds a run ({', '.join(held)}): {how}, or pass a "
                         "new output_dir (delete this one to start over)")
+
+
+def run_of(checkpoint: str) -> Path | None:
+    """The run folder (the one holding config.yaml) that weights at `checkpoint` belong to: the folder itself,
+    the folder of a model file, or the run two folders up from one of its checkpoints."""
+    path = Path(checkpoint)
+    folder = path.parent if path.is_file() else path
+    candidates = [folder, folder.parent.parent] if folder.parent.name == "checkpoints" else [folder]
+    return next((run for run in candidates if (run / CONFIG_FILE).is_file()), None)
+
+
+def refuse_other_settings(config: Config, checkpoint: str, command: str) -> None:
+    """`config` may differ from what the weights at `checkpoint` were trained with only where that does not change
+    what they mean (data.root, data.eval_subset, train.eval_batch_size, ...): the same check as resume's."""
+    path = Path(checkpoint)
+    folder = path.parent if path.is_file() else path
+    meta, run = read_meta(folder), run_of(checkpoint)
+    recorded = meta["config"] if meta is not None else read_config(run) if run is not None else None
+    if recorded is not None:
+        refuse_contradictions(recorded, config, f"{command}: {checkpoint} was trained with other settings",
+                              "these change what the weights mean: leave them out (the run folder alone gives "
+                              f"its own: accel-train {command} {run or checkpoint} ...)")
+
+
+def check_split(split: str) -> None:
+    if split not in ("test", "val"):
+        raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
 
 
 def results_of(config: Config, has_classes: bool, tracking: bool) -> list[str]:
@@ -119,12 +146,10 @@ class RunFolder(Observer):
                 starts.write(json.dumps(start) + "\n")
 
     def on_log(self, progress: Progress, logs: dict) -> None:
-        self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs,
-                     "elapsed_s": round(progress.elapsed_s(), 3)})
+        self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs}, progress)
 
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics,
-                     "elapsed_s": round(progress.elapsed_s(), 3)})
+        self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics}, progress)
 
     def on_train_end(self, progress: Progress) -> None:
         from accel_train.plots import CURVES_FILE, plot_runs
@@ -133,6 +158,9 @@ class RunFolder(Observer):
         with writing(self.folder / CURVES_FILE, "drawing curves.png"):
             plot_runs([self.folder], self.folder / CURVES_FILE, [self.folder.name])
 
-    def _write(self, line: dict) -> None:
+    def _write(self, line: dict, progress: Progress) -> None:
+        """A line with when it was written: the wall clock, and the run's seconds over all its resumes."""
+        when = {"time": datetime.now().astimezone().isoformat(timespec="seconds"),
+                "elapsed_s": round(progress.elapsed_s(), 3)}
         with writing(self.metrics.name, "writing metrics.jsonl"):
-            self.metrics.write(json.dumps(line) + "\n")
+            self.metrics.write(json.dumps({**line, **when}) + "\n")

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import yaml
 
+from accel_train.config import CONFIG_FILE, START_FACTS, flatten
 from accel_train.errors import UserError
 
-CONFIG_FILE, METRICS_FILE = "config.yaml", "metrics.jsonl"
+METRICS_FILE = "metrics.jsonl"
 STARTS_FILE = "starts.jsonl"  # one line per start of the run: fresh, resumed by hand, or restarted by the launcher
-TIMING = ("samples_per_s", "elapsed_s")  # measured, not computed: they differ between identical runs
+TIMING = ("samples_per_s", "elapsed_s", "time")  # measured, not computed: they differ between identical runs
 
 
 def is_run(folder: Path) -> bool:
@@ -157,22 +158,13 @@ def table(summaries: list[dict]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
-def flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
 def config_diff(a: Path, b: Path) -> list[tuple[str, object, object]]:
     """(key, value in a, value in b) for every config key, and every recorded fact of the launch (run.*), that
-    differs between two runs; output_dir, which always does, is left out."""
+    differs between two runs; output_dir and the facts of each start (time, host, command), which always do, are
+    left out."""
     first, second = flatten(read_config(a)), flatten(read_config(b))
     missing = "(unset)"
-    keys = sorted((set(first) | set(second)) - {"output_dir"})
+    keys = sorted((set(first) | set(second)) - {"output_dir", *(f"run.{fact}" for fact in START_FACTS)})
     return [(key, first.get(key, missing), second.get(key, missing)) for key in keys
             if first.get(key, missing) != second.get(key, missing)]
 

@@ -11,11 +11,10 @@ import importlib.util
 import json
 from pathlib import Path
 
-from accel_train.config import Config
+from accel_train.config import Config, flatten
 from accel_train.errors import UserError
 from accel_train.installed import version_problems
 from accel_train.observers import Observer, Progress
-from accel_train.runs import flatten
 
 TRACKERS_DIR = "trackers"  # under output_dir: every tracker's local files (TensorBoard events, mlruns, .aim)
 PROJECT = "accel-train"  # the project (W&B, Aim) or experiment (MLflow); TensorBoard's folder under trackers/

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from accel_train.runs import TIMING
+
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = REPO / "accelerate_configs"
 PROBE = "tests/launched_probe.py"  # the CLI with recorders and injected faults (see its docstring)
@@ -138,7 +140,7 @@ def read_metrics(output_dir: Path, split: str) -> list[dict]:
 
 def metrics_without_timing(output_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{key: value for key, value in line.items() if key not in ("samples_per_s", "elapsed_s")} for line in lines]
+    return [{key: value for key, value in line.items() if key not in TIMING} for line in lines]
 
 
 def assert_same_run(out: Path, reference: Path, weights: tuple[str, ...] = ("model.safetensors",)) -> None:

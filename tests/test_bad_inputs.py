@@ -103,8 +103,10 @@ def test_eval_of_damaged_weights_says_which_file_in_one_line(trained, tmp_path, 
     assert str(weights) in error and "not a readable safetensors file" in error
 
 
-def test_eval_refuses_weights_of_another_model_in_one_line(trained):
-    result = run_cli("eval", "cifar10_resnet50", f"checkpoint={trained}", "data.synthetic=true", "data.eval_subset=4",
+def test_eval_refuses_weights_of_another_model_in_one_line(trained, tmp_path):
+    """Weights without their run folder (no config.yaml to compare with): their tensors do not fit."""
+    shutil.copy(trained / "model.safetensors", tmp_path / "model.safetensors")
+    result = run_cli("eval", "cifar10_resnet50", f"checkpoint={tmp_path}", "data.synthetic=true", "data.eval_subset=4",
                      check=False)
     error = one_error(result, 2)
     assert "does not fit model.name=resnet50" in error

@@ -25,7 +25,7 @@ import yaml
 from test_launch_paths import accelerate, torchrun
 
 from accel_train.checkpoint import list_checkpoints, to_keep
-from accel_train.runs import read_starts
+from accel_train.runs import TIMING, read_starts
 from conftest import (
     PROBE,
     PROFILES,
@@ -104,7 +104,7 @@ def test_checkpoints_keep_the_newest_and_the_best_and_describe_themselves(refere
     assert not list((reference / "checkpoints").glob(".*")), "no partial folder is left behind"
     folder, meta = kept[30]
     assert (meta["epoch"], meta["batches_done_in_epoch"], meta["evaluated"], meta["world_size"]) == (2, 10, True, 2)
-    assert meta["metrics"] == {k: v for k, v in evals[-1].items() if k not in ("split", "epoch", "step", "elapsed_s")}
+    assert meta["metrics"] == {k: v for k, v in evals[-1].items() if k not in ("split", "epoch", "step", *TIMING)}
     saved_config = yaml.safe_load((reference / "config.yaml").read_text())
     saved_config.pop("run")
     assert meta["config"] == saved_config
@@ -285,8 +285,8 @@ def test_a_library_error_while_loading_is_not_called_damage_and_stops_in_one_lin
 
 
 @pytest.mark.parametrize("override, words", [
-    ("model.name=resnet18", ["another run", "model.name=mnist_cnn", "model.name=resnet18"]),
-    ("data.image_size=32", ["does not fit", "classifier.1.weight", "shape"]),
+    ("model.name=resnet18", ["another run", "model.name=resnet18 (trained with mnist_cnn)"]),
+    ("data.image_size=32", ["another run", "data.image_size=32 (trained with null)"]),
     ("seed=0", ["saved by 2 process(es), this run has 1", "--num_processes 2"]),  # the same model, 1 process
 ])
 def test_a_checkpoint_of_another_model_or_world_size_is_refused_in_one_line(reference, tmp_path, override, words):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from accel_train.config import list_recipes, load_config
+from accel_train.cli import main
+from accel_train.config import describe_keys, list_recipes, load_config, spelled
 from accel_train.errors import UserError
 from conftest import REPO, run_cli
 
@@ -91,7 +92,46 @@ def test_recipe_file_with_unknown_key_names_it(tmp_path):
 def test_console_script_is_installed_and_answers_help():
     script = Path(sys.executable).parent / "accel-train"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True)
-    assert "accel-train eval RECIPE checkpoint=PATH" in result.stdout
+    assert "accel-train eval RUN [KEY=VALUE ...]" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "predict", "keys"])
+def test_each_command_has_its_own_usage_with_examples(command, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
+    assert out.startswith(f"usage: accel-train {command} ") and "[KEY=VALUE ...]" in out.splitlines()[0], out
+    examples = out.split("examples:\n")[1].splitlines()
+    assert sum(line.startswith(f"  accel-train {command} ") for line in examples) >= 2, out
+    assert "accel-train recipes   " not in out and "Multi-process:" not in out  # not every command's usage
+
+
+def test_a_command_missing_its_recipe_names_only_what_is_required(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.splitlines()[-1] == "accel-train train: error: the following arguments are required: RECIPE", err
+
+
+def test_keys_prints_each_value_as_an_override_takes_it(capsys):
+    """Every value `keys` shows, passed back as KEY=VALUE, gives that value: null, true, lists, mappings."""
+    main(["keys", "imagefolder", "model.args={depth: 3}", "data.mean=[0.5, 0.25, 0.125]"])
+    rows = [line.split(None, 3) for line in capsys.readouterr().out.splitlines()]
+    shown = {key: value for key, _, column, value in rows if column == "value"}
+    assert len(shown) == len(rows) > 60
+    recipe = load_config("imagefolder", ["model.args={depth: 3}", "data.mean=[0.5, 0.25, 0.125]"])
+    for key, _, _, value in describe_keys(recipe):
+        if key == "description":
+            continue
+        spelled_value = spelled(value)
+        assert shown[key].startswith(spelled_value + " "), (key, shown[key])
+        again = {name: given for name, _, _, given in describe_keys(load_config("imagefolder",
+                                                                              [f"{key}={spelled_value}"]))}
+        assert again[key] == value, key
+    assert shown["data.name"].startswith("imagefolder ") and shown["train.warmup_steps"].startswith("100 ")
+    assert shown["data.train_subset"].startswith("null ") and shown["data.augment"].startswith("true ")
 
 
 def test_help_does_not_import_torch():
@@ -126,9 +166,8 @@ def test_every_test_the_claims_table_names_exists():
 
 
 def test_every_config_key_is_documented_with_its_default():
-    from accel_train.config import describe_keys
+    from accel_train.config import describe_keys, spelled
 
     table = (REPO / "docs" / "config.md").read_text()
     for key, _, _, default in describe_keys():
-        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
-        assert f"| `{key}` | {shown} |" in table or (default == "" and f"| `{key}` | |" in table), key
+        assert f"| `{key}` | {spelled(default)} |" in table or (default == "" and f"| `{key}` | |" in table), key

@@ -98,3 +98,21 @@ def test_device_path_trains_and_evaluates_like_the_dataloader_path_at_2_processe
     assert eval_device["num_samples"] == eval_per_sample["num_samples"] == 101
     assert eval_device["correct"] == eval_per_sample["correct"]
     assert eval_device["loss"] == pytest.approx(eval_per_sample["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_not_warn(monkeypatch, processes):
+    """data.num_workers=auto: torch warns when a loader has more workers than the cores it sees (the demo on a
+    2-core machine printed that warning three times with the old default of 4)."""
+    import os
+    import warnings
+
+    from accel_train.distributed import dataloader_workers
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    cores = len(os.sched_getaffinity(0))
+    assert DataConfig().num_workers == "auto" and dataloader_workers("auto") == min(8, cores // processes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "This DataLoader will create N worker processes" fails the test
+        loader = make_loader(_images(16), DataConfig(on_device=False), 8, True, CPU)
+        assert loader.num_workers == dataloader_workers("auto") and len(next(iter(loader))[0]) == 8

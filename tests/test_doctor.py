@@ -2,6 +2,7 @@
 
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -47,20 +48,47 @@ def test_doctor_reports_devices_backend_mixed_precision_and_the_config_it_read(d
 
 @pytest.fixture
 def listening_port():
-    """A port something listens on, standing in for machine 0's rendezvous store."""
+    """A port a plain socket listens on: it accepts connections and answers nothing, as another program, a proxy or
+    a firewall may where machine 0's rendezvous should be."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield sock.getsockname()[1]
 
 
-def test_doctor_on_a_worker_node_finds_the_main_node_and_the_interface_that_routes_to_it(doctor, listening_port):
+@pytest.fixture
+def rendezvous_port():
+    """A port machine 0's rendezvous answers on: torch's TCPStore, which accelerate launch, torchrun and accel-train
+    launch hold on the main port."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store.port
+
+
+def test_doctor_on_a_worker_node_finds_the_main_node_and_the_interface_that_routes_to_it(doctor, rendezvous_port):
     result = doctor(*MULTI_NODE, "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
-                    "--main_process_port", str(listening_port))
+                    "--main_process_port", str(rendezvous_port))
     assert result.returncode == 0, result.stdout
-    assert f"127.0.0.1:{listening_port} reachable" in result.stdout
+    assert f"main process       127.0.0.1:{rendezvous_port}: machine 0's rendezvous answers (a torch TCPStore)" \
+        in result.stdout
     assert "lo         127.0.0.1  <- routes to the main node" in result.stdout
     assert "export GLOO_SOCKET_IFNAME=lo" in result.stdout
+
+
+def test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_the_main_nodes_rendezvous(
+        doctor, listening_port):
+    started = time.monotonic()
+    result = doctor(*MULTI_NODE, "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
+                    "--main_process_port", str(listening_port), "--timeout", "2")
+    assert time.monotonic() - started < 10  # torch's own client would wait for an answer forever
+    assert result.returncode == 1, result.stdout
+    assert f"main process       127.0.0.1:{listening_port} accepted a connection, but what answers is not a torch " \
+           "rendezvous" in result.stdout
+    assert "rendezvous answers" not in result.stdout
+    (problem,) = problems(result)
+    assert f"127.0.0.1:{listening_port} accepted a connection, but what answers is not a torch rendezvous " \
+           "(no answer in 2 s): another program on that port, or a proxy or firewall" in problem
 
 
 def test_doctor_names_each_problem_in_one_line_and_exits_nonzero(doctor):
@@ -98,9 +126,12 @@ def test_doctor_under_a_two_machine_launch_joins_the_process_group():
     nodes = [([PYTHON, "-m", "accelerate.commands.launch", *MULTI_NODE, "--num_processes", "2", "--num_machines", "2",
                "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
                "-m", "accel_train", "doctor"], {}) for rank in (0, 1)]
-    for rank, result in enumerate(run_nodes(nodes, timeout=120)):
+    results = run_nodes(nodes, timeout=120)
+    for rank, result in enumerate(results):
         assert f"[rank {rank}] process group      2 processes joined over gloo" in result.stdout
         assert f"[rank {rank}] no problems found" in result.stdout
+    assert f"[rank 1] main process       127.0.0.1:{port}: machine 0's rendezvous answers (a torch TCPStore)" \
+        in results[1].stdout
 
 
 def test_doctor_on_a_separate_host_names_the_interface_gloo_must_use(two_hosts):

@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from accel_train.models import MnistCNN
+from accel_train.runs import TIMING
 from conftest import PROBE, evaluate_in_process, launch, read_metrics, train_in_process
 
 # 96 samples = 4 steps of 24 per epoch, 2 epochs; 101 eval samples split evenly across neither 2 nor 3.
@@ -59,7 +60,7 @@ def test_fsdp_resume_after_a_crash_mid_epoch_equals_the_uninterrupted_run(runs, 
     crashed = fsdp(f"output_dir={out}", env={"PROBE_CRASH_AFTER_SAVE": "6"}, check=False)
     assert crashed.returncode != 0
     fsdp(f"output_dir={out}", "resume=auto")
-    lines = [[{k: v for k, v in line.items() if k not in ("samples_per_s", "elapsed_s")}
+    lines = [[{k: v for k, v in line.items() if k not in TIMING}
               for line in read_metrics(folder, "train")] for folder in (out, runs / "fsdp")]
     assert lines[0] == lines[1]
     resumed, uninterrupted = (load_file(str(folder / "model.safetensors")) for folder in (out, runs / "fsdp"))

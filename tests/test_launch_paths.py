@@ -118,6 +118,8 @@ def test_launch_path_trains_like_one_process_and_evaluates_a_checkpoint_identica
     first_node = check_path(path, world_size, nodes, reference, tmp_path, evaluate=path in EVAL_THROUGH)
     warned = "fp16 mixed precision is unavailable on CPU; training in fp32" in first_node.stderr
     assert warned == (path in FP16_PROFILES), first_node.stderr[-2000:]
+    if path.endswith(".yaml") or path.startswith(("multi_node.yaml", "SLURM")):  # a shipped profile: complete
+        assert "had defaults used instead" not in first_node.stderr, first_node.stderr[-2000:]
 
 
 def test_two_hosts_in_network_namespaces_train_like_one_process_over_the_interface_doctor_names(

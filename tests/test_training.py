@@ -121,3 +121,16 @@ def test_imagefolder_without_val_folder_says_what_layout_is_expected(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     result = run_cli("train", "imagefolder", f"data.root={tmp_path}", f"output_dir={tmp_path / 'run'}", check=False)
     assert result.returncode != 0 and "val" in result.stderr and "<class>" in result.stderr
+
+
+def test_a_short_run_gets_ten_train_lines_and_one_warning_for_a_warmup_longer_than_itself(tmp_path, capfd):
+    """Unset train.log_every_steps: every 50 steps, or every tenth of a shorter run. A warmup the run never gets
+    past (the imagefolder recipe's 100 steps on a small folder) is said once, at the start."""
+    out = tmp_path / "run"
+    train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=640", "data.eval_subset=32",
+                     "train.epochs=1", "train.batch_size=32", "train.warmup_steps=30", "checkpoint.at_epoch_end=false",
+                     f"output_dir={out}")
+    assert [line["step"] for line in read_metrics(out, "train")] == list(range(2, 21, 2))
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ["accel-train: warning: train.warmup_steps=30 is longer than the run (20 optimizer steps): "
+                        "the LR never reaches train.lr=0.001; lower train.warmup_steps (e.g. to 2)"], warnings

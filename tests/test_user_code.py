@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
+from accel_train.runs import TIMING
 from conftest import (
     PYTHON,
     REPO,
@@ -148,7 +149,7 @@ def test_the_python_api_trains_objects_in_place_of_names_and_records_them(tmp_pa
     (lambda api: api.train("mnist_cnn", train_dataset=Tagged(10, 0)), ["give both, or neither"]),
     (lambda api: api.train("mnist_cnn", task=object()), ["task: found object", "accel_train.Task"]),
     (lambda api: api.train("mnist_cnn", "train.lr=0.1"), ["pass a list of key=value strings"]),
-    (lambda api: api.evaluate("mnist_cnn", "/nonexistent/run"), ["no model.safetensors there"]),
+    (lambda api: api.evaluate("mnist_cnn", "/nonexistent/run"), ["/nonexistent/run: no such file or folder"]),
 ])
 def test_the_python_api_raises_user_error_with_the_command_lines_one_line(call, words):
     import accel_train
@@ -202,8 +203,8 @@ def same_metrics(evaluated: dict, b: dict, processes: int) -> None:
     and floats equal but for summation order (1e-6)."""
     a = dict(evaluated)
     assert a.pop("num_processes") == processes
-    names = a.keys() - {"split", "epoch", "step", "elapsed_s"}
-    assert names == b.keys() - {"split", "epoch", "step", "elapsed_s"}
+    names = a.keys() - {"split", "epoch", "step", *TIMING}
+    assert names == b.keys() - {"split", "epoch", "step", *TIMING}
     for name in names:
         if isinstance(b[name], float):
             assert a[name] == pytest.approx(b[name], rel=1e-6), name
@@ -303,8 +304,12 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
     broken.write_bytes((image_run / "inputs" / "photo_01.jpg").read_bytes()[:100])
     with pytest.raises(UnreadableFileError, match=f"cannot read {broken}"):
         accel_train.predict("imagefolder", run, broken, settings)
-    with pytest.raises(UserError, match="predict reads image files"):
+    with pytest.raises(UserError, match="data.name=user_models:points \\(trained with imagefolder\\)"):
         accel_train.predict(USER_RECIPE, run, broken, ["data.name=user_models:points"])
+    from accel_train.prediction import predict  # past the run's check: a recipe whose data are not images
+
+    with pytest.raises(UserError, match="predict reads image files"):
+        predict(load_config(USER_RECIPE, ["data.name=user_models:points"]), str(run), str(broken))
 
 
 def test_predict_converts_an_image_as_the_recipes_eval_data_is(tmp_path):

@@ -3,6 +3,7 @@ curves.png and `accel-train plot` draw them, `accel-train runs` tabulates and co
 prints progress without a terminal and a summary at the end."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -11,13 +12,20 @@ from PIL import Image
 
 from accel_train.errors import UserError
 from accel_train.tracking import installed, tracker_names
-from conftest import crash_after_checkpoint_then_resume, read_metrics, run_cli, train_in_process
+from conftest import (
+    FASHION_MNIST,
+    crash_after_checkpoint_then_resume,
+    needs_fashion_mnist,
+    read_metrics,
+    run_cli,
+    train_in_process,
+)
 
 # 256 synthetic samples, a quarter held out for validation: 6 optimizer steps of 32 per epoch; 100 test samples.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=256", "data.val_fraction=0.25",
        "data.eval_subset=100", "model.dropout=false", "train.batch_size=32", "train.eval_batch_size=50",
        "train.log_every_steps=1"]
-NOT_SCALARS = ("split", "epoch", "step", "elapsed_s")
+NOT_SCALARS = ("split", "epoch", "step", "elapsed_s", "time")  # samples_per_s is a scalar
 
 
 def scalars_of_metrics_jsonl(out) -> dict[str, list[tuple[int, float]]]:
@@ -77,6 +85,16 @@ def two_runs(tmp_path_factory):
     train_in_process(*RUN, "train.epochs=2", f"output_dir={root / 'base'}")
     train_in_process(*RUN, "train.epochs=1", "train.lr=0.003", "train.log_with=none", f"output_dir={root / 'fast'}")
     return root
+
+
+def test_eval_of_a_run_evaluates_its_validation_or_test_split_as_training_did(two_runs):
+    from accel_train import evaluate
+
+    run = two_runs / "fast"
+    for split, samples in (("val", 64), ("test", 100)):
+        metrics, final = evaluate(run, split=split), read_metrics(run, split)[-1]
+        assert metrics["num_samples"] == final["num_samples"] == samples
+        assert metrics["loss"] == pytest.approx(final["loss"], abs=1e-6), split
 
 
 def test_runs_tabulates_every_run_under_a_folder_from_its_own_files(two_runs):
@@ -157,3 +175,71 @@ def test_log_with_none_writes_no_tracker_files_and_a_missing_tracker_is_named(tw
             "accel-train: error: train.log_with=wandb: wandb is not installed (pip install wandb); or set "
             "train.log_with=none")
         assert not (tmp_path / "new").exists()
+
+
+def screen(raw: str) -> list[str]:
+    """The lines a terminal shows at the end: each carriage return rewrites its line from the first column."""
+    shown_lines = []
+    for line in raw.replace("\r\n", "\n").split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part):]
+        shown_lines.append(shown.rstrip())
+    return [line for line in shown_lines if line]
+
+
+def run_in_a_terminal(command: list[str], cwd) -> tuple[int, str]:
+    """`command` with stdout and stderr on a pseudo-terminal of 120 columns, in the user's environment (no
+    TQDM_DISABLE): what a person at the terminal sees, byte for byte."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {key: value for key, value in os.environ.items() if key not in ("TQDM_DISABLE", "WORLD_SIZE")}
+    process = subprocess.Popen(command, stdin=secondary, stdout=secondary, stderr=secondary, cwd=cwd,
+                               env={**env, "HF_HUB_OFFLINE": "1"})
+    os.close(secondary)
+    output = b""
+    while True:
+        ready, _, _ = select.select([primary], [], [], 1)
+        try:
+            chunk = os.read(primary, 65536) if ready else b""
+        except OSError:  # the terminal closed: the process has exited
+            break
+        if ready and not chunk:
+            break
+        output += chunk
+        if not ready and process.poll() is not None:
+            break
+    os.close(primary)
+    return process.wait(timeout=60), output.decode()
+
+
+@needs_fashion_mnist
+def test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar(tmp_path):
+    """`make demo`'s command (on 1,280 images, a checkpoint every 5 steps for messages during the bar): every
+    message starts a line of its own, the bar is left once, at 100% with its epoch, and nothing warns."""
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "accel-train"
+    code, raw = run_in_a_terminal([str(script), "train", "fashion_mnist_cnn", "train.epochs=1", "output_dir=demo",
+                                   f"data.root={FASHION_MNIST}", "data.train_subset=1280", "data.eval_subset=500",
+                                   "checkpoint.every_steps=5"], tmp_path)
+    assert code == 0, raw
+    assert "warning" not in raw.lower() and "\x1b" not in raw, raw
+    lines = screen(raw)
+    assert lines[0].startswith("training mnist_cnn on fashion_mnist: 1 process(es)"), lines
+    done = next(i for i, line in enumerate(lines) if line.startswith("done: 20 steps"))
+    bars = [line for line in lines[1:done] if re.match(r"epoch \d+: +\d+%\|", line)]
+    messages = [line for line in lines[1:done] if line not in bars]
+    assert len(bars) == 1 and re.match(r"epoch 0: 100%\|.*\| 20/20 \[", bars[0]), lines
+    assert len(messages) == 5 and all(re.fullmatch(r"checkpoint step \d+ saved in demo/checkpoints/step-\d+ .*|"
+                                                   r"epoch 0 step 20 test: num_samples 500, .*", line)
+                                      for line in messages), lines

@@ -105,6 +105,15 @@ MUTATIONS = [
              "accel_train/distributed.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
              ("tests/test_equivalence.py::test_shuffling_is_a_function_of_seed_and_epoch",
               "tests/test_equivalence.py::test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs")),
+    Mutation("doctor takes whatever accepts a connection on the main port for machine 0's rendezvous",
+             "accel_train/doctor.py", "why = store_answers(address, port, timeout)", "why = None",
+             ("tests/test_doctor.py::test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_the_main_nodes_rendezvous",)),
+    Mutation("eval and resume take any setting, whatever the run was trained with",
+             "accel_train/config.py", "    found = contradictions(recorded, config)\n", "    found = []\n",
+             ("tests/test_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
+    Mutation("the checkpoint line printed over the progress bar",
+             "accel_train/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
+             ("tests/test_watching.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
 ]
 
 
