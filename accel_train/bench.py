@@ -57,7 +57,9 @@ def run_bench(recipe: str, overrides: list[str], quick: bool, processes: int | N
         # Every CPU measurement, in this process or launched, gets cores / N threads: rows stay comparable,
         # and no thread pool spins waiting for a core another process holds.
         torch.set_num_threads(threads)
-    timing = [f"train.max_steps={steps * (1 + WINDOWS)}", f"train.log_every_steps={steps}", "train.epochs=1000"]
+    # No warmup: the LR does not change the speed, and a recipe's warmup outlasts a quick bench's short run.
+    timing = [f"train.max_steps={steps * (1 + WINDOWS)}", f"train.log_every_steps={steps}", "train.epochs=1000",
+              "train.warmup_steps=0"]
     log = _Log()
 
     log(f"bench: {recipe} on {device_kind}, windows of {steps} steps, {processes} processes for scaling")
