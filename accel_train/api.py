@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.config import CONFIG_FILE, Config, load_config
+from accel_train.config import CONFIG_FILE, Config, list_recipes, load_config
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.imports import given_object_name
 from accel_train.installed import check_versions
@@ -95,6 +95,9 @@ def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
             raise UserError(f"{command} needs a run: accel-train {command} RUN (a training run's output_dir), or "
                             f"accel-train {command} RECIPE checkpoint=PATH")
         run = None if isinstance(recipe, Config) else Path(recipe)
+        if run is not None and not run.exists() and str(recipe) not in list_recipes():
+            raise DataNotFoundError(f"{command} {recipe}: no such run folder (nor a shipped recipe); pass a training "
+                                    f"run's output_dir: accel-train {command} RUN")
         run = run.parent if run is not None and run.name == CONFIG_FILE else run  # RUN/config.yaml: RUN
         if run is None or not (run / CONFIG_FILE).is_file():
             raise UserError(f"{command} {recipe if isinstance(recipe, str) else 'of a Config'} needs checkpoint=PATH: "
