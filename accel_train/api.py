@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.config import CONFIG_FILE, Config, load_config
+from accel_train.config import CONFIG_FILE, Config, list_recipes, load_config
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.imports import given_object_name
 from accel_train.installed import check_versions
@@ -57,9 +57,7 @@ def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, 
     exactly its samples at any world size, plus `num_processes` (the world size)."""
     from accel_train import loop
 
-    recipe, checkpoint = recipe_and_checkpoint(recipe, checkpoint, "eval")
-    config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)
-    refuse_other_settings(config, checkpoint, "eval")
+    config, checkpoint = run_config(recipe, checkpoint, overrides, "eval", model, task, eval_dataset)
     return loop.evaluate_checkpoint(config, checkpoint, task=task, model=model, eval_dataset=eval_dataset,
                                     split=split)
 
@@ -74,22 +72,33 @@ def predict(recipe: str | Config | None = None, checkpoint: str | None = None, i
 
     if inputs is None:
         raise UserError("predict needs inputs: an image file, a folder or a glob, e.g. inputs='photos/'")
-    recipe, checkpoint = recipe_and_checkpoint(recipe, checkpoint, "predict")
-    config = _with_objects(_config(recipe, overrides), model, task, None, None)
-    refuse_other_settings(config, checkpoint, "predict")
+    config, checkpoint = run_config(recipe, checkpoint, overrides, "predict", model, task)
     return run(config, checkpoint, str(inputs), output, task=task, model=model)
 
 
-def recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
-                          command: str) -> tuple[str | Config, str]:
+def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: Sequence[str], command: str,
+               model=None, task=None, eval_dataset=None) -> tuple[Config, str]:
+    """The config and the weights `command` (eval, predict) uses, checked against what the run was trained with;
+    no torch import, so the command line answers before torch loads."""
+    recipe, checkpoint = _recipe_and_checkpoint(recipe, checkpoint, command)
+    config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)
+    refuse_other_settings(config, checkpoint, command)
+    return config, checkpoint
+
+
+def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
+                           command: str) -> tuple[str | Config, str]:
     """`eval RUN`, `eval checkpoint=PATH` (the run PATH belongs to gives the config) and `eval RECIPE
     checkpoint=PATH`: the recipe and the weights, or a line saying which is missing."""
     if checkpoint is None:
         if recipe is None:
             raise UserError(f"{command} needs a run: accel-train {command} RUN (a training run's output_dir), or "
                             f"accel-train {command} RECIPE checkpoint=PATH")
-        run = None if isinstance(recipe, Config) else Path(recipe) if Path(recipe).is_dir() else \
-            Path(recipe).parent if Path(recipe).name == CONFIG_FILE else None
+        run = None if isinstance(recipe, Config) else Path(recipe)
+        if run is not None and not run.exists() and str(recipe) not in list_recipes():
+            raise DataNotFoundError(f"{command} {recipe}: no such run folder (nor a shipped recipe); pass a training "
+                                    f"run's output_dir: accel-train {command} RUN")
+        run = run.parent if run is not None and run.name == CONFIG_FILE else run  # RUN/config.yaml: RUN
         if run is None or not (run / CONFIG_FILE).is_file():
             raise UserError(f"{command} {recipe if isinstance(recipe, str) else 'of a Config'} needs checkpoint=PATH: "
                             "the run folder, checkpoint folder or model.safetensors whose weights to use (a run "

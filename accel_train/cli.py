@@ -224,12 +224,10 @@ def _run(args: argparse.Namespace) -> None:
         check_output_dir(config)
         check_resume(config)
     else:  # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
-        from accel_train.api import recipe_and_checkpoint
-        from accel_train.run_folder import check_split, refuse_other_settings
+        from accel_train.api import run_config
+        from accel_train.run_folder import check_split
 
-        recipe, checkpoint = recipe_and_checkpoint(recipe, given.get("checkpoint"), args.command)
-        config = load_config(recipe, overrides)
-        refuse_other_settings(config, checkpoint, args.command)
+        config, checkpoint = run_config(recipe, given.get("checkpoint"), overrides, args.command)
         check_split(given.get("split", "test"))
 
     from accel_train.distributed import is_reporting_process
@@ -237,18 +235,23 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "eval" and is_reporting_process():  # torch and the data take seconds: say what is coming
         print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} "
               f"{given.get('split', 'test')})...", file=sys.stderr, flush=True)
-    from accel_train import api  # imports torch: only now that the config is known to be valid
-
+    # Torch loads only now that the config is known to be valid (and, for eval and predict, agrees with the run).
     if args.command == "train":
+        from accel_train import api
+
         api.train(config)
     elif args.command == "eval":
-        metrics = api.evaluate(config, checkpoint, split=given.get("split", "test"))
+        from accel_train.loop import evaluate_checkpoint
+
+        metrics = evaluate_checkpoint(config, checkpoint, split=given.get("split", "test"))
         if is_reporting_process():
             print(f"accel-train eval: {checkpoint}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
+        from accel_train.prediction import predict
+
         output = given.get("output", "predictions.csv")
-        rows = api.predict(config, checkpoint, given["input"], output=output)
+        rows = predict(config, checkpoint, given["input"], output)
         if is_reporting_process():
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
 

@@ -470,23 +470,11 @@ def describe_keys(values: Config | None = None) -> list[tuple[str, str, str, Any
     return rows
 
 
-START_FACTS = ("started", "host", "command")  # config.yaml's run.* facts of this start, different every time
-
-
 def save_config(config: Config, path: Path, run_info: dict) -> None:
     """Write the fully resolved config plus how the run was launched (when, where, the command line, processes,
     precision, versions). A recipe in itself: `run:` is read back as a record, not applied."""
-    import shlex
-    import socket
-    import sys
-    from datetime import datetime
-
     tree = config.to_dict()
-    started = datetime.now().astimezone().isoformat(timespec="seconds")
-    program = Path(sys.argv[0]).name
-    command = shlex.join([*(["python", "-m", "accel_train"] if program == "__main__.py" else [program]), *sys.argv[1:]])
-    tree["run"] = {"recipe": config.recipe, "started": started, "host": socket.gethostname(), "command": command,
-                   **run_info}
+    tree["run"] = {"recipe": config.recipe, **run_info}
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
 

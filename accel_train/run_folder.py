@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -48,21 +50,35 @@ def check_output_dir(config: Config) -> None:
                         "new output_dir (delete this one to start over)")
 
 
+def now() -> str:
+    """The wall clock as the run's files record it: ISO 8601 to the second, with the UTC offset."""
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    """This process's command line, as a shell would take it (`python -m accel_train` for the module)."""
+    program = Path(sys.argv[0]).name
+    return shlex.join([*(["python", "-m", "accel_train"] if program == "__main__.py" else [program]), *sys.argv[1:]])
+
+
 def run_of(checkpoint: str) -> Path | None:
     """The run folder (the one holding config.yaml) that weights at `checkpoint` belong to: the folder itself,
     the folder of a model file, or the run two folders up from one of its checkpoints."""
-    path = Path(checkpoint)
-    folder = path.parent if path.is_file() else path
+    folder = _weights_folder(checkpoint)
     candidates = [folder, folder.parent.parent] if folder.parent.name == "checkpoints" else [folder]
     return next((run for run in candidates if (run / CONFIG_FILE).is_file()), None)
+
+
+def _weights_folder(checkpoint: str) -> Path:
+    """The folder a model file is in, or the folder given."""
+    path = Path(checkpoint)
+    return path.parent if path.is_file() else path
 
 
 def refuse_other_settings(config: Config, checkpoint: str, command: str) -> None:
     """`config` may differ from what the weights at `checkpoint` were trained with only where that does not change
     what they mean (data.root, data.eval_subset, train.eval_batch_size, ...): the same check as resume's."""
-    path = Path(checkpoint)
-    folder = path.parent if path.is_file() else path
-    meta, run = read_meta(folder), run_of(checkpoint)
+    meta, run = read_meta(_weights_folder(checkpoint)), run_of(checkpoint)
     recorded = meta["config"] if meta is not None else read_config(run) if run is not None else None
     if recorded is not None:
         refuse_contradictions(recorded, config, f"{command}: {checkpoint} was trained with other settings",
@@ -129,8 +145,10 @@ class RunFolder(Observer):
 
     def on_train_start(self, progress: Progress) -> None:
         path = self.folder / METRICS_FILE
+        started, host = now(), socket.gethostname()
         with writing(self.folder, "writing config.yaml and metrics.jsonl"):
-            save_config(self.config, self.folder / CONFIG_FILE, self.launch_info)
+            save_config(self.config, self.folder / CONFIG_FILE,
+                        {"started": started, "host": host, "command": command_line(), **self.launch_info})
             if self.classes is not None:
                 (self.folder / CLASSES_FILE).write_text(json.dumps(self.classes, indent=1) + "\n")
             continued = self.start.in_output_dir and path.is_file()
@@ -138,8 +156,8 @@ class RunFolder(Observer):
                 path.write_text("".join(lines_up_to(path.read_text().splitlines(keepends=True), self.start)))
             self.metrics = open(path, "a" if continued else "w", buffering=1)
             restart, _ = launcher_restarts()
-            start = {"time": datetime.now().astimezone().isoformat(timespec="seconds"), "host": socket.gethostname(),
-                     "step": progress.step, "world_size": self.launch_info["world_size"], "launcher_restart": restart}
+            start = {"time": started, "host": host, "step": progress.step,
+                     "world_size": self.launch_info["world_size"], "launcher_restart": restart}
             # History is kept wherever the run continues, even when no checkpoint was there to resume from.
             keep = self.start.in_output_dir or self.config.resume == "auto"
             with open(self.folder / STARTS_FILE, "a" if keep else "w") as starts:
@@ -160,7 +178,6 @@ class RunFolder(Observer):
 
     def _write(self, line: dict, progress: Progress) -> None:
         """A line with when it was written: the wall clock, and the run's seconds over all its resumes."""
-        when = {"time": datetime.now().astimezone().isoformat(timespec="seconds"),
-                "elapsed_s": round(progress.elapsed_s(), 3)}
+        when = {"time": now(), "elapsed_s": round(progress.elapsed_s(), 3)}
         with writing(self.metrics.name, "writing metrics.jsonl"):
             self.metrics.write(json.dumps({**line, **when}) + "\n")

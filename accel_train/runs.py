@@ -12,11 +12,12 @@ from pathlib import Path
 
 import yaml
 
-from accel_train.config import CONFIG_FILE, START_FACTS, flatten
+from accel_train.config import CONFIG_FILE, flatten
 from accel_train.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 STARTS_FILE = "starts.jsonl"  # one line per start of the run: fresh, resumed by hand, or restarted by the launcher
+START_FACTS = ("started", "host", "command")  # config.yaml's run.* facts of one start, different every time
 TIMING = ("samples_per_s", "elapsed_s", "time")  # measured, not computed: they differ between identical runs
 
 

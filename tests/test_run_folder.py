@@ -107,6 +107,7 @@ def test_the_run_records_when_where_and_how_it_started_and_when_each_line_was_wr
 @pytest.mark.parametrize("args, says", [
     (["eval"], "eval needs a run: accel-train eval RUN"),
     (["eval", "mnist_cnn"], "eval mnist_cnn needs checkpoint=PATH"),
+    (["eval", "{tmp}/runs/typo"], "runs/typo: no such run folder (nor a shipped recipe)"),
     (["predict", "{run}"], "predict needs input=PATH"),
     (["eval", "checkpoint={tmp}"], "has no config.yaml in its run folder to say how it was trained: pass the recipe"),
     (["eval", "checkpoint={tmp}/nothing"], "no such file or folder"),
