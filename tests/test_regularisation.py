@@ -21,7 +21,7 @@ from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume,
 
 # 48 samples: 2 optimizer steps of 24 per epoch; 101 eval samples.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=101", "model.dropout=false",
-       "train.batch_size=24", "train.eval_batch_size=50", "train.log_every_steps=1"]
+       "train.batch_size=24", "train.eval_batch_size=50", "train.log_every_steps=1", "train.plot=false"]
 
 
 def test_biases_and_normalisation_weights_get_no_weight_decay_unless_asked():

@@ -11,9 +11,9 @@ from conftest import evaluate_in_process, needs_fashion_mnist, read_metrics, run
 
 # 24 samples, 2 steps (the validation split takes 6), a checkpoint after each
 TINY_RUN = ["data.synthetic=true", "data.train_subset=24", "data.eval_subset=10", "train.batch_size=6",
-            "train.max_steps=2", "train.log_every_steps=1"]
+            "train.max_steps=2", "train.log_every_steps=1", "train.plot=false"]
 TINY = ["train.max_steps=1", "train.batch_size=4", "train.eval_batch_size=4", "data.train_subset=8",
-        "data.eval_subset=6", "train.log_every_steps=1"]
+        "data.eval_subset=6", "train.log_every_steps=1", "train.plot=false"]
 
 
 @needs_fashion_mnist
