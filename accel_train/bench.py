@@ -44,7 +44,7 @@ def run_bench(recipe: str, overrides: list[str], quick: bool, processes: int | N
     if not any(o.startswith("output_dir=") for o in overrides):
         overrides = ["output_dir=runs/bench", *overrides]
     # The bench's own defaults come first so the user's overrides win; the timing keys come last.
-    overrides = ["train.progress_bar=false", "data.eval_subset=1000", *overrides]
+    overrides = ["train.progress_bar=false", "train.plot=false", "data.eval_subset=1000", *overrides]
     config = load_config(recipe, overrides)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -98,8 +98,8 @@ def results_of(config: Config, has_classes: bool, tracking: bool) -> list[str]:
     from accel_train.selection import BEST_FILE
 
     files = [MODEL_FILE, *([EMA_FILE] if config.train.ema_decay else []),
-             *([BEST_FILE] if config.checkpoint.best_metric else []), METRICS_FILE, CURVES_FILE, CONFIG_FILE,
-             STARTS_FILE,
+             *([BEST_FILE] if config.checkpoint.best_metric else []), METRICS_FILE,
+             *([CURVES_FILE] if config.train.plot else []), CONFIG_FILE, STARTS_FILE,
              *([CLASSES_FILE] if has_classes else []),
              *(["checkpoints/"] if config.checkpoint.at_epoch_end or config.checkpoint.every_steps else [])]
     return files + (["trackers/"] if tracking else [])
@@ -173,6 +173,8 @@ class RunFolder(Observer):
         from accel_train.plots import CURVES_FILE, plot_runs
 
         self.metrics.close()
+        if not self.config.train.plot:
+            return
         with writing(self.folder / CURVES_FILE, "drawing curves.png"):
             plot_runs([self.folder], self.folder / CURVES_FILE, [self.folder.name])
 

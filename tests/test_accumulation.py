@@ -17,7 +17,7 @@ from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume,
 SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=90", "data.eval_subset=101",
                      "model.dropout=false", "train.batch_size=24", "train.eval_batch_size=50", "train.epochs=2",
                      "train.schedule=cosine", "train.warmup_steps=2", "train.log_every_steps=1",
-                     "train.clip_grad_norm=1.0"]
+                     "train.clip_grad_norm=1.0", "train.plot=false"]
 SPLITS = {  # name -> (processes, overrides)
     "1 process": (1, []),
     "1 process, accumulation 4": (1, ["train.accumulation_steps=4"]),

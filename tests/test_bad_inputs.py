@@ -11,7 +11,7 @@ from PIL import Image
 from conftest import REPO, needs_fashion_mnist, read_metrics, run_cli, train_in_process
 
 TINY = ["data.synthetic=true", "data.train_subset=24", "data.eval_subset=10", "train.batch_size=12",
-        "train.max_steps=2", "train.log_every_steps=1"]
+        "train.max_steps=2", "train.log_every_steps=1", "train.plot=false"]
 
 
 def one_error(result, exit_code: int) -> str:

@@ -48,7 +48,7 @@ WEIGHTS = ("model.safetensors", "model_ema.safetensors")
 RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.augment=true", "data.train_subset=240", "data.eval_subset=50",
        "train.batch_size=24", "train.epochs=3", "train.log_every_steps=3", "train.ema_decay=0.9",
        "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0",
-       "checkpoint.every_steps=4", "checkpoint.keep_last=2", "checkpoint.best_metric=accuracy"]
+       "checkpoint.every_steps=4", "checkpoint.keep_last=2", "checkpoint.best_metric=accuracy", "train.plot=false"]
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +300,8 @@ def test_a_checkpoint_of_another_model_or_world_size_is_refused_in_one_line(refe
 # In one process: resume=PATH, a save cut short and the steps-per-epoch refusal need no second process.
 # 3 steps per epoch: the checkpoints of steps 2 and 4 are mid-epoch.
 SMALL = ["mnist_cnn", "data.synthetic=true", "data.train_subset=36", "data.eval_subset=10", "train.batch_size=12",
-         "train.max_steps=4", "train.log_every_steps=1", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
+         "train.max_steps=4", "train.log_every_steps=1", "checkpoint.every_steps=2", "checkpoint.keep_last=5",
+         "train.plot=false"]
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def test_accelerate_gives_every_process_the_same_samples_on_both_paths(processes
 SYNTHETIC = ["cifar10_resnet50", "model.name=resnet18", "data.synthetic=true", "data.augment=false",
              "data.train_subset=48",
              "data.eval_subset=101", "train.batch_size=12", "train.eval_batch_size=20", "train.max_steps=3",
-             "train.log_every_steps=1", "train.warmup_steps=0", "data.num_workers=0"]
+             "train.log_every_steps=1", "train.warmup_steps=0", "data.num_workers=0", "train.plot=false"]
 
 
 def test_device_path_trains_and_evaluates_like_the_dataloader_path_at_2_processes(tmp_path):

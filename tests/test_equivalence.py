@@ -20,10 +20,10 @@ STEPS_PER_EPOCH, EPOCHS = 3, 2
 SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.val_fraction=0.2",
                      "data.eval_subset=101", "model.dropout=false", "train.batch_size=24", "train.eval_batch_size=50",
                      f"train.epochs={EPOCHS}", "train.schedule=cosine", "train.warmup_steps=2",
-                     "train.log_every_steps=1", "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0"]
+                     "train.log_every_steps=1", "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0", "train.plot=false"]
 # 50 training samples leave 2 over a global batch of 24; 2 eval samples are fewer than the processes.
 UNEVEN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=50", "data.eval_subset=2", "train.batch_size=24",
-          "train.eval_batch_size=4", "train.epochs=2", "train.log_every_steps=1"]
+          "train.eval_batch_size=4", "train.epochs=2", "train.log_every_steps=1", "train.plot=false"]
 
 
 def probe(tmp_path, processes: int, args: list[str]) -> tuple:

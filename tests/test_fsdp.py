@@ -18,7 +18,7 @@ from conftest import PROBE, evaluate_in_process, launch, read_metrics, train_in_
 # 96 samples = 4 steps of 24 per epoch, 2 epochs; 101 eval samples split evenly across neither 2 nor 3.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=101", "model.dropout=false",
        "train.batch_size=24", "train.eval_batch_size=50", "train.epochs=2", "train.log_every_steps=1",
-       "train.clip_grad_norm=1.0", "checkpoint.every_steps=2"]
+       "train.clip_grad_norm=1.0", "checkpoint.every_steps=2", "train.plot=false"]
 FP32 = ("--mixed_precision", "no")
 
 

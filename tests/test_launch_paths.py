@@ -19,7 +19,7 @@ from conftest import PROFILES, PYTHON, free_port, last_json_line, read_metrics, 
 # 48 samples / global batch 24 = 2 steps per epoch; 101 eval samples split evenly across no 2 processes.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=101", "model.dropout=false",
        "train.batch_size=24", "train.eval_batch_size=50", "train.epochs=2", "train.log_every_steps=1",
-       "train.schedule=exponential", "train.lr_gamma=0.5"]
+       "train.schedule=exponential", "train.lr_gamma=0.5", "train.plot=false"]
 STEPS = 4
 
 # What `accelerate config` writes for "multi-GPU, 1 machine, 2 GPUs, fp16" (the interactive wizard's answers).

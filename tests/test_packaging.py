@@ -72,5 +72,6 @@ def test_the_installed_wheel_trains_two_steps_at_2_processes_through_its_own_mul
     assert yaml.safe_load((out / "config.yaml").read_text())["run"]["world_size"] == 2, result.stdout[-2000:]
     assert [line["step"] for line in read_metrics(out, "train")] == [1, 2]
     assert read_metrics(out, "test")[-1]["num_samples"] == 64
+    assert (out / "curves.png").is_file()  # the installed matplotlib draws it under a 2-process launch
     where = run([installed / "python", "-c", "import accel_train; print(accel_train.__file__)"], cwd=tmp_path).stdout
     assert "site-packages/accel_train" in where, "the run used the installed package, not the checkout"

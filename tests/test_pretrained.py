@@ -15,7 +15,7 @@ RESNET18_FILE = "resnet18-f37072fd.pth"  # the name torchvision's ResNet18_Weigh
 # The imagefolder recipe on FakeData of 10 classes (no image folder needed), small images for speed.
 RUN = ["imagefolder", "data.synthetic=true", "data.image_size=32", "data.train_subset=16", "data.eval_subset=8",
        "data.num_workers=0", "train.batch_size=8", "train.eval_batch_size=8", "train.max_steps=2",
-       "model.name=resnet18", "model.pretrained=true"]
+       "model.name=resnet18", "model.pretrained=true", "train.plot=false"]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume,
 
 # 48 samples: 2 optimizer steps of 24 per epoch; 101 eval samples.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=101", "model.dropout=false",
-       "train.batch_size=24", "train.eval_batch_size=50", "train.log_every_steps=1"]
+       "train.batch_size=24", "train.eval_batch_size=50", "train.log_every_steps=1", "train.plot=false"]
 
 
 def test_biases_and_normalisation_weights_get_no_weight_decay_unless_asked():
@@ -232,7 +232,7 @@ def test_early_stopping_stops_every_process_at_the_same_step_and_saves_the_final
            "data.eval_subset=40", "train.batch_size=24", "train.epochs=3", "train.eval_every_steps=2",
            "train.early_stop_patience=2", "train.early_stop_metric=loss", "train.early_stop_mode=min",
            "train.early_stop_min_delta=100", "train.log_every_steps=1", "checkpoint.at_epoch_end=false",
-           "checkpoint.every_steps=100"]
+           "checkpoint.every_steps=100", "train.plot=false"]
     result = launch(2, "train", *run, f"output_dir={out}", script=PROBE, env={"PROBE_DIR": str(probes)})
     assert "early stopping: loss has not improved" in result.stdout and "stopped at step 4" in result.stdout
     saves = [json.loads((probes / f"rank{rank}.json").read_text())["saves"] for rank in (0, 1)]

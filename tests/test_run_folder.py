@@ -17,7 +17,7 @@ pytestmark = needs_fashion_mnist
 
 # The quickstart recipe on 640 real Fashion-MNIST images: 10 steps of 64, a checkpoint every 5; 300 test images.
 RUN = ["fashion_mnist_cnn", f"data.root={FASHION_MNIST}", "data.train_subset=640", "data.eval_subset=300",
-       "train.epochs=1", "checkpoint.every_steps=5"]
+       "train.epochs=1", "checkpoint.every_steps=5", "train.plot=false"]
 
 
 @pytest.fixture(scope="module")

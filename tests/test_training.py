@@ -11,9 +11,9 @@ from conftest import evaluate_in_process, needs_fashion_mnist, read_metrics, run
 
 # 24 samples, 2 steps (the validation split takes 6), a checkpoint after each
 TINY_RUN = ["data.synthetic=true", "data.train_subset=24", "data.eval_subset=10", "train.batch_size=6",
-            "train.max_steps=2", "train.log_every_steps=1"]
+            "train.max_steps=2", "train.log_every_steps=1", "train.plot=false"]
 TINY = ["train.max_steps=1", "train.batch_size=4", "train.eval_batch_size=4", "data.train_subset=8",
-        "data.eval_subset=6", "train.log_every_steps=1"]
+        "data.eval_subset=6", "train.log_every_steps=1", "train.plot=false"]
 
 
 @needs_fashion_mnist
@@ -30,6 +30,7 @@ def test_fashion_mnist_loss_falls_and_the_run_folder_describes_itself(tmp_path):
     for line in train_lines:
         assert {"split", "epoch", "step", "loss", "lr", "samples_per_s"} <= set(line) and line["samples_per_s"] > 0
     assert {"split", "epoch", "step", "num_samples", "loss", "accuracy", "top5"} <= set(eval_lines[0])
+    assert (out / "curves.png").is_file()
     # step decay with gamma 0.7 per epoch: the LR logged in epoch 1 is 0.7x that of epoch 0
     lrs = {line["epoch"]: line["lr"] for line in train_lines}
     assert lrs[1] == pytest.approx(0.7 * lrs[0])

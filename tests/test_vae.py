@@ -21,7 +21,7 @@ from conftest import (
 TERMS = {"loss", "reconstruction_loss", "kl"}
 # 97 samples in batches of 20: a ragged last batch that splits evenly across neither 2 nor 3 processes
 SYNTHETIC = ["data.synthetic=true", "data.train_subset=48", "data.eval_subset=97", "train.eval_batch_size=20",
-             "model.hidden_size=32", "model.latent_size=4"]
+             "model.hidden_size=32", "model.latent_size=4", "train.plot=false"]
 TINY_RUN = [*SYNTHETIC, "train.batch_size=12", "train.log_every_steps=1"]
 
 

@@ -80,10 +80,11 @@ def test_tensorboard_holds_the_scalars_of_metrics_jsonl_at_their_steps_also_afte
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """Two finished runs under one folder that differ in the LR and in their tracker."""
+    """Two finished runs under one folder that differ in the LR, in their tracker and in drawing curves.png."""
     root = tmp_path_factory.mktemp("runs")
     train_in_process(*RUN, "train.epochs=2", f"output_dir={root / 'base'}")
-    train_in_process(*RUN, "train.epochs=1", "train.lr=0.003", "train.log_with=none", f"output_dir={root / 'fast'}")
+    train_in_process(*RUN, "train.epochs=1", "train.lr=0.003", "train.log_with=none", "train.plot=false",
+                     f"output_dir={root / 'fast'}")
     return root
 
 
@@ -124,7 +125,8 @@ def test_runs_tabulates_every_run_under_a_folder_from_its_own_files(two_runs):
 def test_runs_diff_names_exactly_the_config_keys_two_runs_differ_in(two_runs):
     differences = json.loads(run_cli("runs", str(two_runs), "--diff", "base", "fast", "--json").stdout)
     assert differences == [{"key": "train.epochs", "a": 2, "b": 1}, {"key": "train.log_with", "a": "auto", "b": "none"},
-                           {"key": "train.lr", "a": 0.001, "b": 0.003}]
+                           {"key": "train.lr", "a": 0.001, "b": 0.003},
+                           {"key": "train.plot", "a": True, "b": False}]
     table = run_cli("runs", str(two_runs), "--diff", str(two_runs / "base"), str(two_runs / "fast")).stdout
     assert "train.lr" in table and "0.003" in table and "output_dir" not in table
     missing = run_cli("runs", str(two_runs), "--diff", "base", "nothing", check=False)
@@ -142,6 +144,7 @@ BLUE, ORANGE, WHITE = (31, 119, 180), (255, 127, 14), (255, 255, 255)  # matplot
 def test_training_draws_curves_png_and_plot_overlays_several_runs(two_runs, tmp_path):
     own = two_runs / "base" / "curves.png"
     assert colour_share(own, WHITE) < 0.97 and colour_share(own, BLUE) > 0.001 and colour_share(own, ORANGE) == 0
+    assert not (two_runs / "fast" / "curves.png").exists()  # train.plot=false; plot draws it from the files
 
     picture = tmp_path / "both.png"
     printed = run_cli("plot", str(two_runs / "base"), str(two_runs / "fast"), f"output={picture}").stdout
