@@ -26,22 +26,22 @@ from typing import TYPE_CHECKING
 
 from accel_train.config import CONFIG_FILE, Config, list_recipes, load_config
 from accel_train.errors import DataNotFoundError, UserError
-from accel_train.imports import given_object_name
+from accel_train.import_paths import given_object_name
 from accel_train.installed import check_versions
-from accel_train.run_folder import refuse_other_settings, run_of
+from accel_train.run.writer import refuse_other_settings, run_of
 
 if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-    from accel_train.tasks import Task
+    from accel_train.workloads.tasks import Task
 
 
 def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.nn.Module | None = None,
           train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
           task: Task | None = None) -> dict:
     """Train; returns the final evaluation's metrics (every process gets the same)."""
-    from accel_train import loop
+    from accel_train.training import loop
 
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
@@ -55,7 +55,7 @@ def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, 
     """Metrics of the weights in `checkpoint` (a run folder, a checkpoint folder or a model.safetensors; unset:
     the run folder given as `recipe`) on the test split (or split="val", the run's validation split), over
     exactly its samples at any world size, plus `num_processes` (the world size)."""
-    from accel_train import loop
+    from accel_train.training import loop
 
     config, checkpoint = run_config(recipe, checkpoint, overrides, "eval", model, task, eval_dataset)
     return loop.evaluate_checkpoint(config, checkpoint, task=task, model=model, eval_dataset=eval_dataset,
@@ -68,7 +68,7 @@ def predict(recipe: str | Config | None = None, checkpoint: str | None = None, i
     """The top `predict.top_k` labels and scores of each image file under `inputs` (a file, a folder searched
     recursively, or a glob): rows {"path", "labels", "scores"} sorted by path, also written as CSV to `output`.
     `checkpoint` unset: the run folder given as `recipe`."""
-    from accel_train.prediction import predict as run
+    from accel_train.training.prediction import predict as run
 
     if inputs is None:
         raise UserError("predict needs inputs: an image file, a folder or a glob, e.g. inputs='photos/'")
@@ -135,7 +135,7 @@ def _with_objects(config: Config, model, task, train_dataset, eval_dataset) -> C
             raise UserError(f"model: found {type(model).__name__}, expected a torch.nn.Module")
         config.model.name = given_object_name(model)
     if task is not None:
-        from accel_train.tasks import check_task
+        from accel_train.workloads.tasks import check_task
 
         check_task(task, "task")
         config.task = given_object_name(task)

@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
                                  "accelerate config, multi-node network; exit 1 on any problem")
-    from accel_train.doctor import add_arguments  # no torch import: the module imports it only when run
+    from accel_train.tools.doctor import add_arguments  # no torch import: the module imports it only when run
 
     add_arguments(doctor)
     return parser
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["launch"]:  # its arguments are accelerate launch's, passed on untouched
-            from accel_train.launch import main as launch
+            from accel_train.launch.command import main as launch
 
             return launch(argv[1:])
         if argv[:1] in (["--version"], ["-V"]):
@@ -149,7 +149,7 @@ def _print_versions() -> None:
     for name, version in versions().items():
         print(f"{name:12s} {version}")
     print(f"{'python':12s} {platform.python_version()}")
-    from accel_train.doctor import visible_devices  # imports torch: after the versions, which need none
+    from accel_train.tools.doctor import visible_devices  # imports torch: after the versions, which need none
 
     print(f"{'devices':12s} {visible_devices()[3]}")
     for problem in version_problems():
@@ -157,7 +157,7 @@ def _print_versions() -> None:
 
 
 def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
-    from accel_train.distributed import is_reporting_process, launcher_ranks, launcher_world_size
+    from accel_train.launch.distributed import is_reporting_process, launcher_ranks, launcher_world_size
 
     if getattr(err, "on_every_process", True):  # the same line on every process: the main one says it
         if is_reporting_process():
@@ -184,7 +184,7 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{name:24s} {profile_summary(path)}")
         return
     if args.command == "doctor":
-        from accel_train.doctor import run
+        from accel_train.tools.doctor import run
 
         sys.exit(run(args))
     if args.command in ("runs", "plot"):
@@ -207,7 +207,7 @@ def _run(args: argparse.Namespace) -> None:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
 
-        from accel_train.bench import run_bench
+        from accel_train.tools.bench import run_bench
 
         run_bench(recipe, overrides, args.quick, args.processes, args.peak_tflops, args.steps)
         return
@@ -216,21 +216,21 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "train":
         config = load_config(recipe, overrides)
         # The run folder and resume=PATH answer before torch loads, as config mistakes do.
-        from accel_train.checkpoint import check_resume
-        from accel_train.run_folder import check_output_dir
-        from accel_train.tracking import tracker_names
+        from accel_train.run.checkpoint import check_resume
+        from accel_train.run.tracking import tracker_names
+        from accel_train.run.writer import check_output_dir
 
         tracker_names(config.train.log_with)  # before check_output_dir creates the folder
         check_output_dir(config)
         check_resume(config)
     else:  # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
         from accel_train.api import run_config
-        from accel_train.run_folder import check_split
+        from accel_train.run.writer import check_split
 
         config, checkpoint = run_config(recipe, given.get("checkpoint"), overrides, args.command)
         check_split(given.get("split", "test"))
 
-    from accel_train.distributed import is_reporting_process
+    from accel_train.launch.distributed import is_reporting_process
 
     if args.command == "eval" and is_reporting_process():  # torch and the data take seconds: say what is coming
         print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} "
@@ -241,14 +241,14 @@ def _run(args: argparse.Namespace) -> None:
 
         api.train(config)
     elif args.command == "eval":
-        from accel_train.loop import evaluate_checkpoint
+        from accel_train.training.loop import evaluate_checkpoint
 
         metrics = evaluate_checkpoint(config, checkpoint, split=given.get("split", "test"))
         if is_reporting_process():
             print(f"accel-train eval: {checkpoint}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
-        from accel_train.prediction import predict
+        from accel_train.training.prediction import predict
 
         output = given.get("output", "predictions.csv")
         rows = predict(config, checkpoint, given["input"], output)
@@ -276,7 +276,7 @@ def _look(args: argparse.Namespace) -> None:
     """`runs` and `plot`: read run folders only (no torch)."""
     from pathlib import Path
 
-    from accel_train import runs
+    from accel_train.run import records as runs
 
     if args.command == "plot":
         given, folders = _arguments(args.runs, {"output": None}, "plot")
@@ -284,7 +284,7 @@ def _look(args: argparse.Namespace) -> None:
         if not found:
             raise UserError(f"plot: no run folder (one holding config.yaml and metrics.jsonl) in {' '.join(folders)}")
         from accel_train.errors import writing
-        from accel_train.plots import plot_runs
+        from accel_train.run.plots import plot_runs
 
         output = Path(given.get("output", "curves.png"))
         with writing(output, "drawing the plot", "choose another output=FILE"):

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from accel_train.errors import UserError
-from accel_train.imports import add_search_dir, is_given_object
+from accel_train.import_paths import add_search_dir, is_given_object
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 CONFIG_FILE = "config.yaml"  # the resolved config a run writes to its output_dir, itself a recipe

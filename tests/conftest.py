@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_train.runs import TIMING
+from accel_train.run.records import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = REPO / "accelerate_configs"
@@ -51,16 +51,16 @@ def run_cli(*args: str, timeout: int = 300, check: bool = True, env: dict | None
 def train_in_process(recipe: str, *overrides: str) -> dict:
     """`accel-train train RECIPE OVERRIDES` in this process, for set-ups whose point is not the command line (a
     model to evaluate, a reference run): no interpreter start. One thread, as the launched runs have."""
-    from accel_train import loop
     from accel_train.config import load_config
+    from accel_train.training import loop
 
     return _one_thread(loop.train, load_config(recipe, list(overrides)))
 
 
 def evaluate_in_process(recipe: str, checkpoint: Path, *overrides: str) -> dict:
     """`accel-train eval RECIPE checkpoint=CHECKPOINT OVERRIDES` in this process: its metrics."""
-    from accel_train import loop
     from accel_train.config import load_config
+    from accel_train.training import loop
 
     return _one_thread(loop.evaluate_checkpoint, load_config(recipe, list(overrides)), str(checkpoint))
 
@@ -168,7 +168,7 @@ def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *ove
                                        resume: str = "auto") -> None:
     """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
     resume=auto (or the checkpoint `resume` names), as a user would after a crash."""
-    from accel_train.checkpoint import Checkpoints
+    from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
 

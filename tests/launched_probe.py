@@ -45,7 +45,9 @@ import sys
 
 import torch
 
-from accel_train import cli, data, loop
+from accel_train import cli
+from accel_train.training import loop
+from accel_train.workloads import data
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
 record = {"batches": [], "augment": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
@@ -100,7 +102,7 @@ def record_gradient_allreduce() -> None:
 
 
 def out_of_memory_above(limit: int) -> None:
-    from accel_train import accumulation
+    from accel_train.training import accumulation
 
     try_micro_batch = accumulation.try_micro_batch
 
@@ -116,7 +118,7 @@ def fsdp_on_cpu() -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from accel_train import distributed
+    from accel_train.launch.command import distributed
 
     make_accelerator = distributed.make_accelerator
 
@@ -130,7 +132,7 @@ def fsdp_on_cpu() -> None:
 
 
 def record_dropout_and_meter() -> None:
-    from accel_train.meter import TrainMeter
+    from accel_train.training.meter import TrainMeter
 
     dropout_forward, update = torch.nn.Dropout.forward, TrainMeter.update
     first = {}
@@ -153,8 +155,8 @@ def signals_at(step: int) -> None:
 
     from accelerate import PartialState
 
-    from accel_train.checkpoint import Checkpoints
-    from accel_train.meter import TrainMeter
+    from accel_train.run.checkpoint import Checkpoints
+    from accel_train.training.meter import TrainMeter
 
     update, save, calls = TrainMeter.update, Checkpoints.save, {"steps": 0, "signalled": False}
 
@@ -174,7 +176,7 @@ def signals_at(step: int) -> None:
 
 
 def record_saves() -> None:
-    from accel_train.checkpoint import Checkpoints
+    from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
 
@@ -187,8 +189,8 @@ def record_saves() -> None:
 
 def lr_traces(seed: int) -> dict:
     from accel_train.config import TrainConfig
-    from accel_train.distributed import make_accelerator
-    from accel_train.optim import build_optimizer, build_scheduler
+    from accel_train.launch.distributed import make_accelerator
+    from accel_train.training.optim import build_optimizer, build_scheduler
 
     accelerator = make_accelerator(seed)
     traces = {}
@@ -212,7 +214,7 @@ def lr_traces(seed: int) -> dict:
 def inject_nonfinite(spec: str) -> None:
     from accelerate import PartialState
 
-    from accel_train.tasks import TASKS
+    from accel_train.workloads.tasks import TASKS
 
     try:
         step, process, *where = spec.split(":")
@@ -248,7 +250,7 @@ def inject_nonfinite(spec: str) -> None:
 
 
 def crash_after_save(step: int) -> None:
-    from accel_train.checkpoint import Checkpoints
+    from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
 
@@ -263,7 +265,7 @@ def crash_after_save(step: int) -> None:
 
 
 def no_process_group() -> None:
-    from accel_train import distributed
+    from accel_train.launch.command import distributed
 
     distributed.has_accelerator_device = lambda: True
 

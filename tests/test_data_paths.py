@@ -5,7 +5,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 
 from accel_train.config import DataConfig
-from accel_train.data import Data, InMemoryImages, make_loader, random_crop_flip, sample_keys
+from accel_train.workloads.data import Data, InMemoryImages, make_loader, random_crop_flip, sample_keys
 from conftest import launch, read_metrics
 
 CPU = torch.device("cpu")
@@ -107,7 +107,7 @@ def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_
     import os
     import warnings
 
-    from accel_train.distributed import dataloader_workers
+    from accel_train.launch.distributed import dataloader_workers
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     cores = len(os.sched_getaffinity(0))

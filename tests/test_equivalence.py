@@ -112,8 +112,8 @@ def test_shuffling_is_a_function_of_seed_and_epoch():
     from torch.utils.data import TensorDataset
 
     from accel_train.config import DataConfig
-    from accel_train.data import Data, make_loader
-    from accel_train.distributed import make_accelerator
+    from accel_train.launch.distributed import make_accelerator
+    from accel_train.workloads.data import Data, make_loader
 
     def order(seed: int, epoch: int) -> list[int]:
         accelerator = make_accelerator(seed)

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from accel_train.models import MnistCNN
-from accel_train.runs import TIMING
+from accel_train.run.records import TIMING
+from accel_train.workloads.models import MnistCNN
 from conftest import PROBE, evaluate_in_process, launch, read_metrics, train_in_process
 
 # 96 samples = 4 steps of 24 per epoch, 2 epochs; 101 eval samples split evenly across neither 2 nor 3.

@@ -4,7 +4,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from accel_train.models import BatchNormCNN, tune_for_device
+from accel_train.workloads.models import BatchNormCNN, tune_for_device
 
 
 def test_a_compiled_channels_last_model_computes_the_same_and_exports_the_same_weights_under_the_same_names(tmp_path):

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from accel_train.checkpoint import Checkpoints, ResumePoint, resume_position
 from accel_train.config import load_config
-from accel_train.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
-from accel_train.run_folder import lines_up_to
+from accel_train.launch.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
+from accel_train.run.checkpoint import Checkpoints, ResumePoint, resume_position
+from accel_train.run.writer import lines_up_to
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 # Samplers draw batch indices on the host by design (a CPU generator, never a device value).
@@ -23,7 +23,7 @@ def host_reads(monkeypatch):
     """Counts host reads of tensor values per optimizer step; evaluation is counted apart (it may read)."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    from accel_train import loop
+    from accel_train.training import loop
 
     where = {"step": 0, "evaluating": False}
     reads = Counter()
@@ -70,7 +70,7 @@ def host_reads(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_reads, tmp_path, policy):
-    from accel_train import loop
+    from accel_train.training import loop
 
     # 10 steps per epoch: an epoch end (evaluation follows) at step 10, which is not a log step
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=120", "data.eval_subset=20",
@@ -144,7 +144,7 @@ def test_processes_agree_on_a_stop_signal_about_every_two_seconds_of_steps():
 def test_the_train_meter_state_round_trips_bit_for_bit():
     from accelerate import Accelerator
 
-    from accel_train.meter import TrainMeter
+    from accel_train.training.meter import TrainMeter
 
     accelerator = Accelerator(cpu=True)
     meter = TrainMeter(accelerator, global_batch=8)
@@ -164,7 +164,7 @@ def test_the_train_meter_state_round_trips_bit_for_bit():
 def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(monkeypatch):
     from accelerate import Accelerator
 
-    from accel_train import meter as meter_module
+    from accel_train.training import meter as meter_module
 
     clock = {"now": 100.0}
     monkeypatch.setattr(meter_module.time, "perf_counter", lambda: clock["now"])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
-from accel_train.runs import TIMING
+from accel_train.run.records import TIMING
 from conftest import (
     PYTHON,
     REPO,
@@ -35,7 +35,7 @@ EXAMPLES = REPO / "examples"
 
 def checked(*overrides: str):
     """What a run checks before any data loads, in this process; the config it checked."""
-    from accel_train.tasks import task_named
+    from accel_train.workloads.tasks import task_named
 
     config = load_config(USER_RECIPE, list(overrides))
     task_named(config.task).check_config(config)
@@ -70,8 +70,8 @@ def test_an_import_path_mistake_is_named_in_one_line_before_any_data_loads(overr
                                                                      "(input tensor, integer label)"]),
 ])
 def test_what_user_code_returns_is_checked_where_it_is_called(overrides, words):
-    from accel_train.data import build_dataset
-    from accel_train.tasks import task_named
+    from accel_train.workloads.data import build_dataset
+    from accel_train.workloads.tasks import task_named
 
     config = checked(*overrides)
     task = task_named(config.task)
@@ -92,7 +92,7 @@ def test_an_import_path_mistake_on_the_command_line_exits_2_in_one_line(tmp_path
 
 
 def test_modules_are_found_in_the_current_directory(tmp_path, monkeypatch):
-    from accel_train.imports import import_object
+    from accel_train.import_paths import import_object
 
     (tmp_path / "here_models.py").write_text("from torch import nn\nNet = nn.Linear\n")
     monkeypatch.chdir(tmp_path)
@@ -306,7 +306,7 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
         accel_train.predict("imagefolder", run, broken, settings)
     with pytest.raises(UserError, match="data.name=user_models:points \\(trained with imagefolder\\)"):
         accel_train.predict(USER_RECIPE, run, broken, ["data.name=user_models:points"])
-    from accel_train.prediction import predict  # past the run's check: a recipe whose data are not images
+    from accel_train.training.prediction import predict  # past the run's check: a recipe whose data are not images
 
     with pytest.raises(UserError, match="predict reads image files"):
         predict(load_config(USER_RECIPE, ["data.name=user_models:points"]), str(run), str(broken))
@@ -314,7 +314,7 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
 
 def test_predict_converts_an_image_as_the_recipes_eval_data_is(tmp_path):
     """Grayscale 28 px for MNIST, whatever the file: the file's pixels reach the model as an eval sample's do."""
-    from accel_train.data import build_dataset, image_converter
+    from accel_train.workloads.data import build_dataset, image_converter
 
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.eval_subset=3"])
     convert, shape = image_converter(config.data)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from accel_train.checkpoint import list_checkpoints
+from accel_train.run.checkpoint import list_checkpoints
 from conftest import (
     PROBE,
     last_json_line,
@@ -132,7 +132,7 @@ def test_a_malformed_fault_injection_value_is_one_line_not_a_traceback(variable,
 
 def test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_global_rng():
     from accel_train.config import load_config
-    from accel_train.tasks.vae import VAE_MODELS, VAETask
+    from accel_train.workloads.tasks.vae import VAE_MODELS, VAETask
 
     task, config = VAETask(), load_config("mnist_vae", ["seed=7"])
     task.setup(config, None)
@@ -149,7 +149,7 @@ def test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_gl
 def test_clip_grad_norm_returns_the_norm_before_clipping_and_0_leaves_gradients_alone():
     from accelerate import Accelerator
 
-    from accel_train.guard import clip_gradients
+    from accel_train.training.guard import clip_gradients
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(3, 1, bias=False)
@@ -162,7 +162,7 @@ def test_clip_grad_norm_returns_the_norm_before_clipping_and_0_leaves_gradients_
 def test_vae_refuses_standardised_pixels_before_any_work():
     from accel_train.config import load_config
     from accel_train.errors import UserError
-    from accel_train.tasks import TASKS
+    from accel_train.workloads.tasks import TASKS
 
     with pytest.raises(UserError, match="data.normalize=false"):
         TASKS.get("vae")().check_config(load_config("mnist_vae", ["data.normalize=true"]))

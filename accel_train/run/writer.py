@@ -10,12 +10,12 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from accel_train.checkpoint import ResumePoint, checkpoints_dir, read_meta
 from accel_train.config import Config, refuse_contradictions, save_config
-from accel_train.distributed import launcher_restarts
 from accel_train.errors import UserError, storage_error, writing
-from accel_train.observers import Observer, Progress
-from accel_train.runs import CONFIG_FILE, METRICS_FILE, STARTS_FILE, read_config
+from accel_train.launch.distributed import launcher_restarts
+from accel_train.run.checkpoint import ResumePoint, checkpoints_dir, read_meta
+from accel_train.run.observers import Observer, Progress
+from accel_train.run.records import CONFIG_FILE, METRICS_FILE, STARTS_FILE, read_config
 
 MODEL_FILE = "model.safetensors"
 CLASSES_FILE = "classes.json"  # the class names, so predict needs nothing but the run folder
@@ -93,9 +93,9 @@ def check_split(split: str) -> None:
 
 def results_of(config: Config, has_classes: bool, tracking: bool) -> list[str]:
     """What a finished run leaves in its output_dir, for the summary it prints."""
-    from accel_train.ema import EMA_FILE
-    from accel_train.plots import CURVES_FILE
-    from accel_train.selection import BEST_FILE
+    from accel_train.run.plots import CURVES_FILE
+    from accel_train.training.ema import EMA_FILE
+    from accel_train.training.selection import BEST_FILE
 
     files = [MODEL_FILE, *([EMA_FILE] if config.train.ema_decay else []),
              *([BEST_FILE] if config.checkpoint.best_metric else []), METRICS_FILE,
@@ -170,7 +170,7 @@ class RunFolder(Observer):
         self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics}, progress)
 
     def on_train_end(self, progress: Progress) -> None:
-        from accel_train.plots import CURVES_FILE, plot_runs
+        from accel_train.run.plots import CURVES_FILE, plot_runs
 
         self.metrics.close()
         if not self.config.train.plot:

@@ -26,14 +26,14 @@ import torch
 from accelerate.utils import set_seed
 
 from accel_train.config import Config, load_config
-from accel_train.data import build_dataset, make_loader
-from accel_train.distributed import dataloader_workers, make_accelerator, plain_process_env
-from accel_train.doctor import cpu_has_bf16
 from accel_train.errors import UserError
 from accel_train.installed import profile_path
-from accel_train.models import tune_for_device
-from accel_train.optim import build_optimizer, build_scheduler
-from accel_train.tasks import task_named
+from accel_train.launch.distributed import dataloader_workers, make_accelerator, plain_process_env
+from accel_train.tools.doctor import cpu_has_bf16
+from accel_train.training.optim import build_optimizer, build_scheduler
+from accel_train.workloads.data import build_dataset, make_loader
+from accel_train.workloads.models import tune_for_device
+from accel_train.workloads.tasks import task_named
 
 TARGETS = {"overhead_ratio": 0.98, "input_pipeline_ratio": 20.0, "cli_help_s": 1.0}
 WINDOWS = 3  # timed windows after the warm-up one
@@ -115,7 +115,7 @@ def _train_lines(output_dir: Path) -> list[dict]:
 
 def overhead(recipe: str, overrides: list[str], out: Path, rounds: int, log) -> dict:
     """Our loop against the loop a user would write by hand, same model, tensors, batch and precision."""
-    from accel_train import loop
+    from accel_train.training import loop
 
     ours, plain = [], []
     for round_index in range(rounds):  # interleaved, best of each: load from other jobs hits both alike

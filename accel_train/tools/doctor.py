@@ -80,7 +80,7 @@ def resolve_launch(args, report: Report) -> Launch:
                     setattr(launch, key, kind(config[key]))
                 except ValueError:
                     report.problem(f"accelerate config {path}: {key}={config[key]!r} must be a whole number; fix it")
-    from accel_train.distributed import launcher_settings
+    from accel_train.launch.distributed import launcher_settings
 
     launcher = launcher_settings()
     if launcher.world_size:  # under accelerate launch / torchrun: what the launcher actually passed
@@ -278,7 +278,7 @@ def connect(address: str, ip: str, port: int, timeout: float, report: Report) ->
         report.problem(f"cannot reach main_process_ip:port {ip}:{port} from this node ({why} after {timeout:g} s); "
                        "use machine 0's address on a network this node shares and open the port in its firewall")
         return f"{ip}:{port} unreachable"
-    from accel_train.launch import store_answers
+    from accel_train.launch.command import store_answers
 
     why = store_answers(address, port, timeout)
     if why is None:
@@ -294,7 +294,7 @@ def check_process_group(timeout: float, report: Report) -> None:
     """Under a launcher: form the group exactly as training does and sum one number across it."""
     import torch
 
-    from accel_train.distributed import launcher_world_size, make_accelerator
+    from accel_train.launch.distributed import launcher_world_size, make_accelerator
 
     started = time.perf_counter()
     try:
@@ -327,7 +327,7 @@ def run(args) -> int:
                             f"({', '.join(list_profiles())})")
         args.config_file = str(profile)
     launch = resolve_launch(args, report)
-    from accel_train.distributed import launcher_ranks
+    from accel_train.launch.distributed import launcher_ranks
 
     rank, local_rank = launcher_ranks()
     where = f"machine {launch.machine_rank} of {launch.num_machines}" if launch.num_machines > 1 else "single machine"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel_train.errors import say
-from accel_train.runs import duration, summarize
+from accel_train.run.records import duration, summarize
 
 
 @dataclass

@@ -49,7 +49,7 @@ def split_arguments(argv: list[str]) -> tuple[float, list[str]]:
 def launch_settings(arguments: list[str]):
     """The settings accelerate launch will use (flags over its config file), read and checked the way doctor reads
     and checks them."""
-    from accel_train.doctor import Report, add_arguments, check_addressing, resolve_launch
+    from accel_train.tools.doctor import Report, add_arguments, check_addressing, resolve_launch
 
     # What follows the module or script is the training command's, not the launcher's.
     target = next((i for i, arg in enumerate(arguments) if arg in ("-m", "--module") or arg.endswith(".py")),

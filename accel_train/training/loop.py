@@ -31,20 +31,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from accel_train.accumulation import StepTerms, accumulation_steps, fit_micro_batch
-from accel_train.checkpoint import Checkpoints, check_resume
 from accel_train.config import Config
-from accel_train.data import build_dataset, hold_out_validation, make_loader, start_epoch
-from accel_train.distributed import (
-    StopSignals,
-    launcher_restarts,
-    make_accelerator,
-    maybe_sync_batchnorm,
-    per_process_batch,
-    round_up_to_world,
-    run_info,
-)
-from accel_train.ema import WeightsEMA
 from accel_train.errors import (
     DataNotFoundError,
     Preempted,
@@ -55,16 +42,29 @@ from accel_train.errors import (
     warn,
     writing,
 )
-from accel_train.guard import NonFiniteGuard, clip_gradients
-from accel_train.meter import TrainMeter
-from accel_train.models import tune_for_device
-from accel_train.observers import Console, Observers, Progress
-from accel_train.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
-from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir, check_split, results_of
-from accel_train.selection import ModelSelection
-from accel_train.tasks import Task, task_named
-from accel_train.tasks.base import check_mixing
-from accel_train.tracking import Trackers, tracker_names, trackers_dir
+from accel_train.launch.distributed import (
+    StopSignals,
+    launcher_restarts,
+    make_accelerator,
+    maybe_sync_batchnorm,
+    per_process_batch,
+    round_up_to_world,
+    run_info,
+)
+from accel_train.run.checkpoint import Checkpoints, check_resume
+from accel_train.run.observers import Console, Observers, Progress
+from accel_train.run.tracking import Trackers, tracker_names, trackers_dir
+from accel_train.run.writer import MODEL_FILE, RunFolder, check_output_dir, check_split, results_of
+from accel_train.training.accumulation import StepTerms, accumulation_steps, fit_micro_batch
+from accel_train.training.ema import WeightsEMA
+from accel_train.training.guard import NonFiniteGuard, clip_gradients
+from accel_train.training.meter import TrainMeter
+from accel_train.training.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
+from accel_train.training.selection import ModelSelection
+from accel_train.workloads.data import build_dataset, hold_out_validation, make_loader, start_epoch
+from accel_train.workloads.models import tune_for_device
+from accel_train.workloads.tasks import Task, task_named
+from accel_train.workloads.tasks.base import check_mixing
 
 
 def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | None = None,

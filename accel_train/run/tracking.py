@@ -14,7 +14,7 @@ from pathlib import Path
 from accel_train.config import Config, flatten
 from accel_train.errors import UserError
 from accel_train.installed import version_problems
-from accel_train.observers import Observer, Progress
+from accel_train.run.observers import Observer, Progress
 
 TRACKERS_DIR = "trackers"  # under output_dir: every tracker's local files (TensorBoard events, mlruns, .aim)
 PROJECT = "accel-train"  # the project (W&B, Aim) or experiment (MLflow); TensorBoard's folder under trackers/

@@ -18,8 +18,8 @@ import torch
 from accelerate import Accelerator
 
 from accel_train.config import Config
-from accel_train.distributed import any_process
 from accel_train.errors import UserError, usual_permissions, writing
+from accel_train.launch.distributed import any_process
 
 BEST_FILE = "model_best.safetensors"
 

@@ -25,15 +25,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import refuse_contradictions
-from accel_train.distributed import any_process, first_message
 from accel_train.errors import UserError, say, usual_permissions, warn, writing
+from accel_train.launch.distributed import any_process, first_message
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
     from accel_train.config import CheckpointConfig, Config
-    from accel_train.observers import Progress
+    from accel_train.run.observers import Progress
 
 META_FILE = "checkpoint.json"
 FORMAT = 1

@@ -18,12 +18,12 @@ import torch
 from torch.utils.data import Dataset
 
 from accel_train.config import Config
-from accel_train.data import Data, image_converter, load_image, make_loader
-from accel_train.distributed import make_accelerator
 from accel_train.errors import DataNotFoundError, writing
-from accel_train.loop import load_weights, read_weights, weights_file
-from accel_train.run_folder import CLASSES_FILE
-from accel_train.tasks import Task, task_named
+from accel_train.launch.distributed import make_accelerator
+from accel_train.run.writer import CLASSES_FILE
+from accel_train.training.loop import load_weights, read_weights, weights_file
+from accel_train.workloads.data import Data, image_converter, load_image, make_loader
+from accel_train.workloads.tasks import Task, task_named
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from accel_train.runs import eval_metrics, read_lines
+from accel_train.run.records import eval_metrics, read_lines
 
 CURVES_FILE = "curves.png"
 NOT_PLOTTED = {"lr"}  # a panel of its own
