@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
                                  "accelerate config, multi-node network; exit 1 on any problem")
-    from accel_train.tools.doctor import add_arguments  # no torch import: the module imports it only when run
+    from accel_train.launch.settings import add_arguments  # the accelerate launch flags doctor checks
 
     add_arguments(doctor)
     return parser
@@ -142,14 +142,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _print_versions() -> None:
-    import platform
-
     from accel_train.installed import version_problems, versions
 
     for name, version in versions().items():
         print(f"{name:12s} {version}")
-    print(f"{'python':12s} {platform.python_version()}")
-    from accel_train.tools.doctor import visible_devices  # imports torch: after the versions, which need none
+    from accel_train.installed import visible_devices  # imports torch: after the versions, which need none
 
     print(f"{'devices':12s} {visible_devices()[3]}")
     for problem in version_problems():
@@ -157,7 +154,7 @@ def _print_versions() -> None:
 
 
 def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
-    from accel_train.launch.distributed import is_reporting_process, launcher_ranks, launcher_world_size
+    from accel_train.launch.settings import is_reporting_process, launcher_ranks, launcher_world_size
 
     if getattr(err, "on_every_process", True):  # the same line on every process: the main one says it
         if is_reporting_process():
@@ -213,45 +210,28 @@ def _run(args: argparse.Namespace) -> None:
         return
     recipe, overrides = _recipe_or_override(args.recipe, overrides)
     given, overrides = _arguments(overrides, COMMAND_ARGUMENTS.get(args.command, {}), args.command)
+    from accel_train import api
+    from accel_train.launch.settings import is_reporting_process
+
+    # Torch loads only once the config is known to be valid: the API checks first (and, for eval and predict,
+    # that it agrees with the run).
     if args.command == "train":
-        config = load_config(recipe, overrides)
-        # The run folder and resume=PATH answer before torch loads, as config mistakes do.
-        from accel_train.run.checkpoint import check_resume
-        from accel_train.run.tracking import tracker_names
-        from accel_train.run.writer import check_output_dir
-
-        tracker_names(config.train.log_with)  # before check_output_dir creates the folder
-        check_output_dir(config)
-        check_resume(config)
-    else:  # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
-        from accel_train.api import run_config
-        from accel_train.run.writer import check_split
-
-        config, checkpoint = run_config(recipe, given.get("checkpoint"), overrides, args.command)
-        check_split(given.get("split", "test"))
-
-    from accel_train.launch.distributed import is_reporting_process
-
-    if args.command == "eval" and is_reporting_process():  # torch and the data take seconds: say what is coming
-        print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} "
-              f"{given.get('split', 'test')})...", file=sys.stderr, flush=True)
-    # Torch loads only now that the config is known to be valid (and, for eval and predict, agrees with the run).
-    if args.command == "train":
-        from accel_train import api
-
-        api.train(config)
-    elif args.command == "eval":
-        from accel_train.training.loop import evaluate_checkpoint
-
-        metrics = evaluate_checkpoint(config, checkpoint, split=given.get("split", "test"))
+        api.train(recipe, overrides)
+        return
+    # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
+    split = given.get("split", "test")
+    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, args.command, split=split)
+    if args.command == "eval":
+        if is_reporting_process():  # torch and the data take seconds: say what is coming
+            print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} {split})...",
+                  file=sys.stderr, flush=True)
+        metrics = api.evaluate_run(config, checkpoint, split=split)
         if is_reporting_process():
             print(f"accel-train eval: {checkpoint}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
-        from accel_train.training.prediction import predict
-
         output = given.get("output", "predictions.csv")
-        rows = predict(config, checkpoint, given["input"], output)
+        rows = api.predict_run(config, checkpoint, given["input"], output)
         if is_reporting_process():
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
 

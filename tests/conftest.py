@@ -51,18 +51,17 @@ def run_cli(*args: str, timeout: int = 300, check: bool = True, env: dict | None
 def train_in_process(recipe: str, *overrides: str) -> dict:
     """`accel-train train RECIPE OVERRIDES` in this process, for set-ups whose point is not the command line (a
     model to evaluate, a reference run): no interpreter start. One thread, as the launched runs have."""
-    from accel_train.config import load_config
-    from accel_train.training import loop
+    from accel_train import api
 
-    return _one_thread(loop.train, load_config(recipe, list(overrides)))
+    return _one_thread(api.train, recipe, list(overrides))
 
 
 def evaluate_in_process(recipe: str, checkpoint: Path, *overrides: str) -> dict:
     """`accel-train eval RECIPE checkpoint=CHECKPOINT OVERRIDES` in this process: its metrics."""
+    from accel_train import api
     from accel_train.config import load_config
-    from accel_train.training import loop
 
-    return _one_thread(loop.evaluate_checkpoint, load_config(recipe, list(overrides)), str(checkpoint))
+    return _one_thread(api.evaluate_run, load_config(recipe, list(overrides)), str(checkpoint))
 
 
 def _one_thread(function, *args):

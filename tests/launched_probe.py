@@ -118,7 +118,8 @@ def fsdp_on_cpu() -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from accel_train.launch.command import distributed
+    from accel_train.launch import distributed
+    from accel_train.training import evaluation
 
     make_accelerator = distributed.make_accelerator
 
@@ -128,7 +129,7 @@ def fsdp_on_cpu() -> None:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the profile's FSDP_* variables
         return accelerator
 
-    distributed.make_accelerator = loop.make_accelerator = make_fsdp_accelerator
+    distributed.make_accelerator = loop.make_accelerator = evaluation.make_accelerator = make_fsdp_accelerator
 
 
 def record_dropout_and_meter() -> None:
@@ -265,7 +266,7 @@ def crash_after_save(step: int) -> None:
 
 
 def no_process_group() -> None:
-    from accel_train.launch.command import distributed
+    from accel_train.launch import distributed
 
     distributed.has_accelerator_device = lambda: True
 

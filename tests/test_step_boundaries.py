@@ -70,7 +70,7 @@ def host_reads(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_reads, tmp_path, policy):
-    from accel_train.training import loop
+    from accel_train import api
 
     # 10 steps per epoch: an epoch end (evaluation follows) at step 10, which is not a log step
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=120", "data.eval_subset=20",
@@ -79,7 +79,7 @@ def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_
                                        f"train.on_nonfinite={policy}", "train.clip_grad_norm=1.0",
                                        f"output_dir={tmp_path}"])
     host_reads.clear()
-    loop.train(config)
+    api.train(config)
     log_steps, epoch_ends = {4, 8, 12, 16, 17}, {10, 17}
     per_step = {step: count for step, count in host_reads.items() if step != "eval" and step > 0}
     assert set(per_step) <= log_steps | epoch_ends, f"host reads outside log steps and epoch ends: {per_step}"

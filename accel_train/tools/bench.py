@@ -27,9 +27,10 @@ from accelerate.utils import set_seed
 
 from accel_train.config import Config, load_config
 from accel_train.errors import UserError
-from accel_train.installed import profile_path
-from accel_train.launch.distributed import dataloader_workers, make_accelerator, plain_process_env
-from accel_train.tools.doctor import cpu_has_bf16
+from accel_train.installed import cpu_has_bf16, profile_path, versions
+from accel_train.launch.distributed import dataloader_workers, make_accelerator
+from accel_train.launch.settings import plain_process_env
+from accel_train.run.layout import read_lines
 from accel_train.training.optim import build_optimizer, build_scheduler
 from accel_train.workloads.data import build_dataset, make_loader
 from accel_train.workloads.models import tune_for_device
@@ -107,15 +108,14 @@ def windowed_rate(lines: list[dict]) -> float:
 
 
 def _train_lines(output_dir: Path) -> list[dict]:
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if row["split"] == "train"]
+    return [row for row in read_lines(output_dir) if row["split"] == "train"]
 
 
 # 1. overhead ---------------------------------------------------------------------------------------------------
 
 def overhead(recipe: str, overrides: list[str], out: Path, rounds: int, log) -> dict:
     """Our loop against the loop a user would write by hand, same model, tensors, batch and precision."""
-    from accel_train.training import loop
+    from accel_train import api
 
     ours, plain = [], []
     for round_index in range(rounds):  # interleaved, best of each: load from other jobs hits both alike
@@ -123,7 +123,7 @@ def overhead(recipe: str, overrides: list[str], out: Path, rounds: int, log) -> 
         log(f"overhead round {round_index + 1}/{rounds}: plain PyTorch loop")
         plain.append(plain_loop(config))
         log(f"overhead round {round_index + 1}/{rounds}: accel-train loop")
-        loop.train(config)
+        api.train(config)
         ours.append(windowed_rate(_train_lines(Path(config.output_dir))))
     return {"ours_samples_per_s": max(ours), "plain_samples_per_s": max(plain), "ratio": max(ours) / max(plain),
             "all_ours": ours, "all_plain": plain, "augment": False, "precision": "fp32", "processes": 1}
@@ -316,16 +316,15 @@ def cli_help_seconds() -> float:
 
 
 def machine_info() -> dict:
-    import accelerate
-
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                  if line.startswith("model name")]
         cpu = names[0] if names else cpu
-    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "python": platform.python_version(),
+    found = versions()
+    info = {"cpu": cpu, "cpu_cores": os.cpu_count(),
+            **{name: found[name] for name in ("torch", "accelerate", "python")},
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

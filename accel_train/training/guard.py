@@ -16,7 +16,8 @@ import math
 import torch
 from accelerate import Accelerator
 
-from accel_train.errors import NonFiniteError, warn
+from accel_train.console import warn
+from accel_train.errors import NonFiniteError
 from accel_train.run.observers import Progress
 
 
