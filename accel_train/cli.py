@@ -257,27 +257,29 @@ def _look(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from accel_train.run import records as runs
+    from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
 
     if args.command == "plot":
         given, folders = _arguments(args.runs, {"output": None}, "plot")
-        found = [run for folder in folders for run in runs.find_runs(Path(folder))]
+        found = [run for folder in folders for run in find_runs(Path(folder))]
         if not found:
-            raise UserError(f"plot: no run folder (one holding config.yaml and metrics.jsonl) in {' '.join(folders)}")
+            raise UserError(f"plot: no run folder (one holding {CONFIG_FILE} and {METRICS_FILE}) in "
+                            f"{' '.join(folders)}")
         from accel_train.errors import writing
         from accel_train.run.plots import plot_runs
 
-        output = Path(given.get("output", "curves.png"))
+        output = Path(given.get("output", CURVES_FILE))
         with writing(output, "drawing the plot", "choose another output=FILE"):
             print(plot_runs(found, output, runs.run_names(found)), flush=True)
         return
     root = Path(args.folder)
     if args.diff:
-        a, b = (runs.run_folder(name, root) for name in args.diff)
+        a, b = (run_folder(name, root) for name in args.diff)
         differences = runs.config_diff(a, b)
         print(json.dumps([{"key": key, "a": x, "b": y} for key, x, y in differences], indent=1) if args.json
               else runs.diff_table(*args.diff, differences))
         return
-    found = runs.find_runs(root)
+    found = find_runs(root)
     summaries = [runs.summarize(folder, name) for folder, name in zip(found, runs.run_names(found))]
     print(json.dumps(summaries, indent=1) if args.json else runs.table(summaries) if summaries
           else f"no runs under {root}")

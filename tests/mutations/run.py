@@ -46,7 +46,7 @@ MUTATIONS = [
              "micro_batches = train_loader",
              ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
     Mutation("gather instead of gather_for_metrics (eval counts the last batch's padding)",
-             "accel_train/training/loop.py", "accelerator.gather_for_metrics(task.eval_step(model, batch))",
+             "accel_train/training/evaluation.py", "accelerator.gather_for_metrics(task.eval_step(model, batch))",
              "accelerator.gather(task.eval_step(model, batch))",
              ("tests/test_distributed.py::test_eval_is_exact_at_any_world_size",)),
     Mutation("checkpoint metadata written before the files (published, then saved into)",
