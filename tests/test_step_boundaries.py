@@ -161,6 +161,28 @@ def test_the_train_meter_state_round_trips_bit_for_bit():
     assert ours["loss"] == pytest.approx((0.1 + 0.7 + 1 / 3 + 0.25) / 4)  # the skipped NaN step is left out
 
 
+def test_a_checkpoint_restores_every_stateful_part_by_name_and_one_of_the_previous_layout_too(tmp_path):
+    from accel_train.run.checkpoint import _read_loop_state
+    from accel_train.run.progress import Progress
+
+    meta = {"step": 12, "epoch": 1, "metrics": {"accuracy": 0.5}}
+    progress = Progress(steps_per_epoch=10, total_steps=30, step=12, last_eval={"accuracy": 0.5})
+    saved = {"progress": progress.state_dict(), "meter": {"names": ["loss"], "sums": [1.5], "counted": 2.0},
+             "selection": {"best": None, "early_stop": None, "stopped": False}}
+    (tmp_path / "loop_state_0.json").write_text(json.dumps(saved))
+    assert _read_loop_state(tmp_path, 0, meta) == json.loads(json.dumps(saved))
+    restored = Progress(steps_per_epoch=10, total_steps=30)
+    restored.load_state_dict(_read_loop_state(tmp_path, 0, meta)["progress"])
+    assert (restored.step, restored.last_eval) == (12, {"accuracy": 0.5})
+    assert restored.elapsed_before_s == pytest.approx(saved["progress"]["elapsed_s"])
+    # Before the parts had names, the meter's sums stood at the top level and the progress in checkpoint.json.
+    (tmp_path / "loop_state_0.json").write_text(json.dumps({**saved["meter"], "selection": saved["selection"],
+                                                            "elapsed_s": 7.5}))
+    assert _read_loop_state(tmp_path, 0, meta) == {
+        "meter": saved["meter"], "selection": saved["selection"],
+        "progress": {"step": 12, "last_eval": {"accuracy": 0.5}, "elapsed_s": 7.5}}
+
+
 def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(monkeypatch):
     from accelerate import Accelerator
 
