@@ -9,11 +9,18 @@ unbroken source, which must pass, or the check proves nothing.
     python tests/mutations/run.py NAME ...     # some of them; --list names them
 
 Not part of CI: it takes long, and it edits the working tree while it runs (do not edit files meanwhile).
+It refuses to start while tracked files have uncommitted changes (untracked files are left alone: it never
+touches them), so every file it breaks is the committed one and `git checkout -- FILE` restores it. SIGTERM,
+SIGINT and SIGHUP end the tests under way and restore the file; SIGKILL cannot be caught, so each mutation's
+line names the command that restores its file before the file is touched, and the next start names any file
+a killed run left broken.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -120,6 +127,23 @@ MUTATIONS = [
 ]
 
 
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """A signal asked the run to end: the tests under way are ended and the mutated file restored first."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame) -> None:
+    for handled in HANDLED_SIGNALS:  # a second Ctrl-C must not cut the restore short
+        signal.signal(handled, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def pytest_args(tests: tuple[str, ...]) -> list[str]:
     args = []
     for test in tests:
@@ -128,57 +152,131 @@ def pytest_args(tests: tuple[str, ...]) -> list[str]:
     return args
 
 
-def run_tests(tests: tuple[str, ...]) -> tuple[int, list[str], float]:
+def run_tests(tests: tuple[str, ...], repo: Path = REPO) -> tuple[int, list[str], float]:
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
-                             *pytest_args(tests)], cwd=REPO, capture_output=True, text=True)
+    # Its own process group, so that an interrupted run ends pytest and whatever it started, and not more.
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *pytest_args(tests)]
+    with subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as tests_run:
+        try:
+            stdout, _ = tests_run.communicate()
+        except BaseException:
+            end_process_group(tests_run)
+            raise
     # A fixture that trains fails as an ERROR of the tests using it
-    failed = [f"{word.lower()} {line.split()[1]}" for line in result.stdout.splitlines()
+    failed = [f"{word.lower()} {line.split()[1]}" for line in stdout.splitlines()
               for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]
-    return result.returncode, failed, time.monotonic() - started
+    return tests_run.returncode, failed, time.monotonic() - started
+
+
+def end_process_group(process: subprocess.Popen) -> None:
+    for sent, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sent)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def restore_command(file: str) -> str:
+    return f"git checkout -- {file}"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def refusal(mutations: list[Mutation], repo: Path = REPO) -> str | None:
+    """One line saying why the run must not start: tracked files with uncommitted changes, naming the command
+    that restores any a killed run left mutated. None when the tracked files are those of HEAD."""
+    try:
+        changed = git(repo, "diff", "--name-only", "-z", "HEAD").split("\0")  # staged or not
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = (getattr(err, "stderr", "") or str(err)).strip().splitlines()
+        return (f"cannot list the changes of {repo} with git ({detail[0] if detail else err}): the run needs a "
+                "git checkout, to restore each file it breaks")
+    changed = [file for file in changed if file]
+    if not changed:
+        return None
+    left = {}
+    for mutation in mutations:
+        path = repo / mutation.file
+        if mutation.file in changed and mutation.file not in left and path.is_file():
+            committed = git(repo, "show", f"HEAD:{mutation.file}")
+            if path.read_text() == committed.replace(mutation.original, mutation.broken):
+                left[mutation.file] = mutation
+    reasons = [f"{file} still holds the mutation \"{mutation.name}\" of a run that was killed; restore it with "
+               f"`{restore_command(file)}`" for file, mutation in left.items()]
+    others = [file for file in changed if file not in left]
+    if others:
+        reasons.append(f"uncommitted changes to {', '.join(others)}: commit or stash them (each mutation breaks a "
+                       "committed file, and a killed run is undone with git checkout)")
+    return "refusing to start: " + "; ".join(reasons)
 
 
 @contextmanager
-def mutated(mutation: Mutation):
-    """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards."""
-    path = REPO / mutation.file
+def mutated(mutation: Mutation, repo: Path = REPO):
+    """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards, also
+    when a signal ends the run (SIGKILL aside: the caller names the restoring command before it mutates)."""
+    path = repo / mutation.file
     source = path.read_text()
     if source.count(mutation.original) != 1:
         raise SystemExit(f"{mutation.name}: the text to break is no longer found once in {mutation.file}; "
                          "update tests/mutations/run.py")
-    path.write_text(source.replace(mutation.original, mutation.broken))
     try:
+        path.write_text(source.replace(mutation.original, mutation.broken))
         yield
     finally:
         path.write_text(source)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], mutations: list[Mutation] = MUTATIONS, repo: Path = REPO) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="words of the mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="name the mutations and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip running the selected tests unbroken first")
     args = parser.parse_args(argv)
-    chosen = [m for m in MUTATIONS if not args.names or any(word in m.name for word in args.names)]
+    chosen = [m for m in mutations if not args.names or any(word in m.name for word in args.names)]
     if not chosen:
         print(f"no mutation's name contains {' or '.join(map(repr, args.names))}; choose words from:", file=sys.stderr)
     if args.list or not chosen:
-        print("\n".join(m.name for m in MUTATIONS))
+        print("\n".join(m.name for m in mutations))
         return 0 if args.list else 2
-    if not args.no_baseline:
+    if why := refusal(mutations, repo):
+        print(f"mutations: {why}", file=sys.stderr)
+        return 2
+    for handled in HANDLED_SIGNALS:
+        signal.signal(handled, raise_interrupted)
+    try:
+        return run_mutations(chosen, args.no_baseline, repo)
+    except Interrupted as stop:
+        print(f"\nmutations: stopped by {stop}; the tests under way were ended and the source is restored",
+              file=sys.stderr)
+        return 128 + stop.signum
+
+
+def run_mutations(chosen: list[Mutation], no_baseline: bool, repo: Path) -> int:
+    if not no_baseline:
         tests = tuple(dict.fromkeys(test for m in chosen for test in m.tests))
-        code, failed, seconds = run_tests(tests)
+        code, failed, seconds = run_tests(tests, repo)
         print(f"baseline: {'pass' if code == 0 else f'FAILED {failed or code}'} ({seconds:.0f} s)", flush=True)
         if code != 0:
             return 1
     missed = 0
     for number, mutation in enumerate(chosen, 1):
-        with mutated(mutation):
-            code, failed, seconds = run_tests(mutation.tests)
+        # Printed before the file changes: what restores it if this run is killed with SIGKILL.
+        print(f"{number:2d}. {mutation.name} [{mutation.file}; if killed: {restore_command(mutation.file)}]: ",
+              end="", flush=True)
+        with mutated(mutation, repo):
+            code, failed, seconds = run_tests(mutation.tests, repo)
         caught = code == 1 and failed
         missed += not caught
         verdict = f"caught by {', '.join(failed)}" if caught else f"NOT CAUGHT (pytest exit {code})"
-        print(f"{number:2d}. {mutation.name}: {verdict} ({seconds:.0f} s)", flush=True)
+        print(f"{verdict} ({seconds:.0f} s)", flush=True)
     print(f"{len(chosen) - missed} of {len(chosen)} mutations caught")
     return 1 if missed else 0
 
