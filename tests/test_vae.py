@@ -91,6 +91,25 @@ def test_nonfinite_loss_on_one_process_stops_every_process_at_that_step(tmp_path
     assert saved_steps(tmp_path) == [1, 2] and not (tmp_path / "model.safetensors").exists()
 
 
+def test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step(tmp_path):
+    # Only process 1's loss value is NaN; its gradients stay finite, so the gradient all-reduce carries nothing
+    # non-finite to process 0: it learns of the step through the guard's own reduction alone. Without that
+    # reduction the processes disagree (one stops, the other trains on): collective_timeout_s bounds the wait.
+    started = time.monotonic()
+    result = launch(2, "train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP,
+                    "train.collective_timeout_s=20", script=PROBE, env={"PROBE_NONFINITE": "2:1:value"}, timeout=120,
+                    check=False)
+    assert time.monotonic() - started < 60, "the processes did not stop together"
+    assert result.returncode != 0
+    reports = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert len(reports) == 1, result.stderr[-3000:]
+    assert "non-finite" in reports[0] and "at step 2" in reports[0], reports[0]
+    process_1 = reports[0].split("process 1: ")[1]
+    assert process_1.startswith("loss=nan") and "grad_norm=nan" not in process_1 and "grad_norm=inf" not in process_1
+    assert [line["step"] for line in read_metrics(tmp_path, "train")] == [1]
+    assert saved_steps(tmp_path) == [1] and not (tmp_path / "model.safetensors").exists()
+
+
 def test_an_inf_gradient_with_a_finite_loss_stops_every_process_too(tmp_path):
     result = launch(2, "train", "mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP, script=PROBE,
                     env={"PROBE_NONFINITE": "2:1:grad"}, timeout=120, check=False)

@@ -124,6 +124,14 @@ MUTATIONS = [
     Mutation("the checkpoint line printed over the progress bar",
              "accel_train/run/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
              ("tests/test_watching.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
+    # guard.py, NonFiniteGuard.step: the flag of this process's terms reduced (max) over every process. A NaN loss
+    # reaches the gradients, whose all-reduce spreads it anyway; a non-finite loss value whose gradients stay
+    # finite does not, so without the reduction only the process that saw it skips and stops.
+    Mutation("the non-finite guard decides per process (its cross-process reduction removed)",
+             "accel_train/training/guard.py",
+             'self.accelerator.reduce((~torch.isfinite(checked)).any().float(), reduction="max")',
+             "(~torch.isfinite(checked)).any().float()",
+             ("tests/test_vae.py::test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step",)),
 ]
 
 
