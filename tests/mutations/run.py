@@ -132,6 +132,17 @@ MUTATIONS = [
              'self.accelerator.reduce((~torch.isfinite(checked)).any().float(), reduction="max")',
              "(~torch.isfinite(checked)).any().float()",
              ("tests/test_vae.py::test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step",)),
+    # loop.py, save(): the guard's host read before a checkpoint. The stop tests that log every step stop at the
+    # train line first; with the non-finite step between train lines, this check alone keeps it out of a save.
+    Mutation("no guard check before a save (a checkpoint written past a non-finite step)",
+             "accel_train/training/loop.py",
+             "guard.check(progress)  # never save past a non-finite step (stop policy)", "pass",
+             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+    # loop.py, validate(): the same check before an evaluation (its metrics line, model selection, early stop).
+    Mutation("no guard check before an evaluation (metrics of a step past a non-finite one)",
+             "accel_train/training/loop.py", "guard.check(progress)  # nothing is evaluated past a non-finite step",
+             "pass",
+             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
 ]
 
 
