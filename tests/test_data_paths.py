@@ -116,3 +116,26 @@ def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_
         warnings.simplefilter("error")  # torch's "This DataLoader will create N worker processes" fails the test
         loader = make_loader(_images(16), DataConfig(on_device=False), 8, True, CPU)
         assert loader.num_workers == dataloader_workers("auto") and len(next(iter(loader))[0]) == 8
+
+
+def test_training_crops_and_flips_each_sample_anew_every_epoch(tmp_path, monkeypatch):
+    """In a training run, not only in the dataset: a sample's augmentation key (its crop and flip) is a function of
+    (seed, epoch, index), and the loop hands the on-device dataset each new epoch."""
+    from accel_train.workloads import data
+    from conftest import train_in_process
+
+    keys_per_batch, sample_keys = [], data.sample_keys
+
+    def recorded(indices, epoch, seed):
+        keys = sample_keys(indices, epoch, seed)
+        keys_per_batch.append(dict(zip(indices.tolist(), keys.tolist())))
+        return keys
+
+    monkeypatch.setattr(data, "sample_keys", recorded)
+    train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=8",
+                     "data.augment=true", "train.batch_size=24", "train.epochs=2", "train.plot=false",
+                     f"output_dir={tmp_path}")
+    assert len(keys_per_batch) == 4  # 2 augmented training batches per epoch; evaluation is not augmented
+    epochs = [keys_per_batch[0] | keys_per_batch[1], keys_per_batch[2] | keys_per_batch[3]]
+    assert epochs[0].keys() == epochs[1].keys() == set(range(48))
+    assert all(epochs[0][index] != epochs[1][index] for index in range(48)), "a sample kept its crop and flip"

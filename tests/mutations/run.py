@@ -143,6 +143,39 @@ MUTATIONS = [
              "accel_train/training/loop.py", "guard.check(progress)  # nothing is evaluated past a non-finite step",
              "pass",
              ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+    # ema.py, WeightsEMA.update: the average taken after each optimizer step (the first copies the weights).
+    Mutation("the EMA update skipped (model_ema keeps the initial weights)",
+             "accel_train/training/ema.py", "self.averaged.update_parameters(self.accelerator.unwrap_model(model))",
+             "pass",
+             ("tests/test_regularisation.py::test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_model",)),
+    # loop.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
+    # and divides the loss by, one more than the micro-batches the loader cuts a step's batch into.
+    Mutation("the accumulation boundary off by one (an optimizer step every accumulation + 1 micro-batches)",
+             "accel_train/training/loop.py", "accelerator.gradient_accumulation_steps = accumulation",
+             "accelerator.gradient_accumulation_steps = accumulation + 1",
+             ("tests/test_accumulation.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
+    # data.py, hold_out_validation: the training set is what is left after the held-out samples.
+    Mutation("the validation split overlapping the training set (held-out samples trained on)",
+             "accel_train/workloads/data.py",
+             "held, kept = order[:count].sort().values, order[count:].sort().values",
+             "held, kept = order[:count].sort().values, order.sort().values",
+             ("tests/test_regularisation.py::test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented",)),
+    # prediction.py, predict: the gathered index says which file a row belongs to.
+    Mutation("predict rows attached to the wrong files (each file gets its neighbour's row)",
+             "accel_train/training/prediction.py", "found[index] = (labels, scores)",
+             "found[(index + 1) % len(files)] = (labels, scores)",
+             ("tests/test_user_code.py::test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file",)),
+    # data.py, sample_keys: the epoch in the key of a sample's crop and flip.
+    Mutation("the augmentation key ignores the epoch (sample_keys)",
+             "accel_train/workloads/data.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
+             "offset = ((seed * 1_000_003 + 1) * 0x5851F42D4C957F2D) % 2**64",
+             ("tests/test_data_paths.py::test_training_crops_and_flips_each_sample_anew_every_epoch",)),
+    # data.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
+    # reaches only the seedable sampler).
+    Mutation("the augmentation key ignores the epoch (the loop never hands the epoch to the on-device dataset)",
+             "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
+             "loader.dataset.set_epoch(0, seed)",
+             ("tests/test_data_paths.py::test_training_crops_and_flips_each_sample_anew_every_epoch",)),
 ]
 
 
