@@ -169,13 +169,14 @@ MUTATIONS = [
     Mutation("the augmentation key ignores the epoch (sample_keys)",
              "accel_train/workloads/data.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
              "offset = ((seed * 1_000_003 + 1) * 0x5851F42D4C957F2D) % 2**64",
-             ("tests/test_data_paths.py::test_training_crops_and_flips_each_sample_anew_every_epoch",)),
+             ("tests/test_data_paths.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
+              "tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
     # data.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
     # reaches only the seedable sampler).
     Mutation("the augmentation key ignores the epoch (the loop never hands the epoch to the on-device dataset)",
              "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
              "loader.dataset.set_epoch(0, seed)",
-             ("tests/test_data_paths.py::test_training_crops_and_flips_each_sample_anew_every_epoch",)),
+             ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
 ]
 
 
@@ -216,8 +217,8 @@ def run_tests(tests: tuple[str, ...], repo: Path = REPO) -> tuple[int, list[str]
             end_process_group(tests_run)
             raise
     # A fixture that trains fails as an ERROR of the tests using it
-    failed = [f"{word.lower()} {line.split()[1]}" for line in stdout.splitlines()
-              for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]
+    failed = [f"{word.lower()} {line[len(word) + 1:].split(' - ')[0]}" for line in stdout.splitlines()
+              for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]  # node ids may hold spaces
     return tests_run.returncode, failed, time.monotonic() - started
 
 
