@@ -20,7 +20,9 @@ The recorders never change what the run computes: the fingerprint reuses the bat
 Faults:
 - PROBE_NONFINITE=STEP:PROCESS makes that process's loss NaN at optimizer step STEP before backward, so the
   NaN crosses the gradient all-reduce as in life; STEP:PROCESS:grad leaves the loss finite and makes one
-  gradient inf instead.
+  gradient inf instead; STEP:PROCESS:value makes only the loss's value NaN (a NaN constant added to it) and
+  leaves every gradient finite, so nothing non-finite crosses the gradient all-reduce: the other processes
+  learn of it through the guard's own reduction alone.
 - PROBE_OOM_ABOVE=N makes a micro-batch of more than N samples raise the device's out-of-memory error while
   train.micro_batch_size=auto searches (as a GPU with room for N would).
 - PROBE_FSDP_ON_CPU=1: Accelerate forms FSDP only on GPUs (on CPU a FSDP profile trains with DDP); this makes
@@ -220,9 +222,9 @@ def inject_nonfinite(spec: str) -> None:
     try:
         step, process, *where = spec.split(":")
         step, process, where = int(step), int(process), (where or ["loss"])[0]
-        assert where in ("loss", "grad")
+        assert where in ("loss", "grad", "value")
     except (ValueError, AssertionError):
-        sys.exit(f"PROBE_NONFINITE={spec}: expected STEP:PROCESS or STEP:PROCESS:grad")
+        sys.exit(f"PROBE_NONFINITE={spec}: expected STEP:PROCESS, STEP:PROCESS:grad or STEP:PROCESS:value")
     calls = {"steps": 0}
 
     def poisoned(training_step):
@@ -233,6 +235,8 @@ def inject_nonfinite(spec: str) -> None:
                 return terms
             if where == "loss":
                 return {**terms, "loss": terms["loss"] * math.nan}
+            if where == "value":  # the constant has no gradient: backward gives the finite gradients of the loss
+                return {**terms, "loss": terms["loss"] + torch.tensor(math.nan, device=terms["loss"].device)}
             param, fired = next(p for p in model.parameters() if p.requires_grad), []
 
             def infinite_once(grad):  # runs before the all-reduce, like an overflow in this process's backward

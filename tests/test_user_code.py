@@ -288,6 +288,34 @@ def test_predict_writes_one_row_per_file_identically_at_1_and_2_processes(image_
         assert 1 >= float(score) >= float(score_2) >= 0
 
 
+def test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file(image_run):
+    """Each row is the model's output for the file the row names: not its neighbour's in the batch or the sort."""
+    import accel_train
+    from accel_train.workloads.data import Data, image_converter, load_image
+    from accel_train.workloads.tasks import task_named
+
+    settings = [*IMAGE_RUN, "predict.top_k=3", "predict.batch_size=4"]  # 13 files: batches of 4, 4, 4 and 1
+    rows = accel_train.predict("imagefolder", image_run / "run", image_run / "inputs", settings)
+    config = load_config("imagefolder", settings)
+    convert, shape = image_converter(config.data)
+    task, described = task_named(config.task), Data(None, len(CLASSES), shape, list(CLASSES))
+    task.setup(config, described)
+    model = task.build_model(config, described)
+    model.load_state_dict(load_file(str(image_run / "run" / "model.safetensors")))
+    model.eval()
+    files = sorted(str(path) for path in (image_run / "inputs").rglob("*.*"))
+    assert [row["path"] for row in rows] == files
+    own = []
+    for row in rows:
+        with torch.no_grad():  # the file alone, through the plain model
+            probabilities = model(convert(load_image(row["path"]))[None]).softmax(-1)[0]
+        scores, labels = probabilities.sort(descending=True)
+        assert row["labels"] == [CLASSES[label] for label in labels.tolist()], row["path"]
+        assert row["scores"] == pytest.approx(scores.tolist(), rel=1e-4, abs=1e-6), row["path"]
+        own.append(scores.tolist())
+    assert len({json.dumps(scores) for scores in own}) == len(files)  # the rows tell the files apart
+
+
 def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run, tmp_path):
     import accel_train
 

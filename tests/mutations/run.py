@@ -9,11 +9,18 @@ unbroken source, which must pass, or the check proves nothing.
     python tests/mutations/run.py NAME ...     # some of them; --list names them
 
 Not part of CI: it takes long, and it edits the working tree while it runs (do not edit files meanwhile).
+It refuses to start while tracked files have uncommitted changes (untracked files are left alone: it never
+touches them), so every file it breaks is the committed one and `git checkout -- FILE` restores it. SIGTERM,
+SIGINT and SIGHUP end the tests under way and restore the file; SIGKILL cannot be caught, so each mutation's
+line names the command that restores its file before the file is touched, and the next start names any file
+a killed run left broken.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -117,7 +124,77 @@ MUTATIONS = [
     Mutation("the checkpoint line printed over the progress bar",
              "accel_train/run/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
              ("tests/test_watching.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
+    # guard.py, NonFiniteGuard.step: the flag of this process's terms reduced (max) over every process. A NaN loss
+    # reaches the gradients, whose all-reduce spreads it anyway; a non-finite loss value whose gradients stay
+    # finite does not, so without the reduction only the process that saw it skips and stops.
+    Mutation("the non-finite guard decides per process (its cross-process reduction removed)",
+             "accel_train/training/guard.py",
+             'self.accelerator.reduce((~torch.isfinite(checked)).any().float(), reduction="max")',
+             "(~torch.isfinite(checked)).any().float()",
+             ("tests/test_vae.py::test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step",)),
+    # loop.py, save(): the guard's host read before a checkpoint. The stop tests that log every step stop at the
+    # train line first; with the non-finite step between train lines, this check alone keeps it out of a save.
+    Mutation("no guard check before a save (a checkpoint written past a non-finite step)",
+             "accel_train/training/loop.py",
+             "guard.check(progress)  # never save past a non-finite step (stop policy)", "pass",
+             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+    # loop.py, validate(): the same check before an evaluation (its metrics line, model selection, early stop).
+    Mutation("no guard check before an evaluation (metrics of a step past a non-finite one)",
+             "accel_train/training/loop.py", "guard.check(progress)  # nothing is evaluated past a non-finite step",
+             "pass",
+             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+    # ema.py, WeightsEMA.update: the average taken after each optimizer step (the first copies the weights).
+    Mutation("the EMA update skipped (model_ema keeps the initial weights)",
+             "accel_train/training/ema.py", "self.averaged.update_parameters(self.accelerator.unwrap_model(model))",
+             "pass",
+             ("tests/test_regularisation.py::test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_model",)),
+    # loop.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
+    # and divides the loss by, one more than the micro-batches the loader cuts a step's batch into.
+    Mutation("the accumulation boundary off by one (an optimizer step every accumulation + 1 micro-batches)",
+             "accel_train/training/loop.py", "accelerator.gradient_accumulation_steps = accumulation",
+             "accelerator.gradient_accumulation_steps = accumulation + 1",
+             ("tests/test_accumulation.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
+    # data.py, hold_out_validation: the training set is what is left after the held-out samples.
+    Mutation("the validation split overlapping the training set (held-out samples trained on)",
+             "accel_train/workloads/data.py",
+             "held, kept = order[:count].sort().values, order[count:].sort().values",
+             "held, kept = order[:count].sort().values, order.sort().values",
+             ("tests/test_regularisation.py::test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented",)),
+    # prediction.py, predict: the gathered index says which file a row belongs to.
+    Mutation("predict rows attached to the wrong files (each file gets its neighbour's row)",
+             "accel_train/training/prediction.py", "found[index] = (labels, scores)",
+             "found[(index + 1) % len(files)] = (labels, scores)",
+             ("tests/test_user_code.py::test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file",)),
+    # data.py, sample_keys: the epoch in the key of a sample's crop and flip.
+    Mutation("the augmentation key ignores the epoch (sample_keys)",
+             "accel_train/workloads/data.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
+             "offset = ((seed * 1_000_003 + 1) * 0x5851F42D4C957F2D) % 2**64",
+             ("tests/test_data_paths.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
+              "tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
+    # data.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
+    # reaches only the seedable sampler).
+    Mutation("the augmentation key ignores the epoch (the loop never hands the epoch to the on-device dataset)",
+             "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
+             "loader.dataset.set_epoch(0, seed)",
+             ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
 ]
+
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """A signal asked the run to end: the tests under way are ended and the mutated file restored first."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame) -> None:
+    for handled in HANDLED_SIGNALS:  # a second Ctrl-C must not cut the restore short
+        signal.signal(handled, signal.SIG_IGN)
+    raise Interrupted(signum)
 
 
 def pytest_args(tests: tuple[str, ...]) -> list[str]:
@@ -128,57 +205,131 @@ def pytest_args(tests: tuple[str, ...]) -> list[str]:
     return args
 
 
-def run_tests(tests: tuple[str, ...]) -> tuple[int, list[str], float]:
+def run_tests(tests: tuple[str, ...], repo: Path = REPO) -> tuple[int, list[str], float]:
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
-                             *pytest_args(tests)], cwd=REPO, capture_output=True, text=True)
+    # Its own process group, so that an interrupted run ends pytest and whatever it started, and not more.
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *pytest_args(tests)]
+    with subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as tests_run:
+        try:
+            stdout, _ = tests_run.communicate()
+        except BaseException:
+            end_process_group(tests_run)
+            raise
     # A fixture that trains fails as an ERROR of the tests using it
-    failed = [f"{word.lower()} {line.split()[1]}" for line in result.stdout.splitlines()
-              for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]
-    return result.returncode, failed, time.monotonic() - started
+    failed = [f"{word.lower()} {line[len(word) + 1:].split(' - ')[0]}" for line in stdout.splitlines()
+              for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]  # node ids may hold spaces
+    return tests_run.returncode, failed, time.monotonic() - started
+
+
+def end_process_group(process: subprocess.Popen) -> None:
+    for sent, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sent)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def restore_command(file: str) -> str:
+    return f"git checkout -- {file}"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def refusal(mutations: list[Mutation], repo: Path = REPO) -> str | None:
+    """One line saying why the run must not start: tracked files with uncommitted changes, naming the command
+    that restores any a killed run left mutated. None when the tracked files are those of HEAD."""
+    try:
+        changed = git(repo, "diff", "--name-only", "-z", "HEAD").split("\0")  # staged or not
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = (getattr(err, "stderr", "") or str(err)).strip().splitlines()
+        return (f"cannot list the changes of {repo} with git ({detail[0] if detail else err}): the run needs a "
+                "git checkout, to restore each file it breaks")
+    changed = [file for file in changed if file]
+    if not changed:
+        return None
+    left = {}
+    for mutation in mutations:
+        path = repo / mutation.file
+        if mutation.file in changed and mutation.file not in left and path.is_file():
+            committed = git(repo, "show", f"HEAD:{mutation.file}")
+            if path.read_text() == committed.replace(mutation.original, mutation.broken):
+                left[mutation.file] = mutation
+    reasons = [f"{file} still holds the mutation \"{mutation.name}\" of a run that was killed; restore it with "
+               f"`{restore_command(file)}`" for file, mutation in left.items()]
+    others = [file for file in changed if file not in left]
+    if others:
+        reasons.append(f"uncommitted changes to {', '.join(others)}: commit or stash them (each mutation breaks a "
+                       "committed file, and a killed run is undone with git checkout)")
+    return "refusing to start: " + "; ".join(reasons)
 
 
 @contextmanager
-def mutated(mutation: Mutation):
-    """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards."""
-    path = REPO / mutation.file
+def mutated(mutation: Mutation, repo: Path = REPO):
+    """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards, also
+    when a signal ends the run (SIGKILL aside: the caller names the restoring command before it mutates)."""
+    path = repo / mutation.file
     source = path.read_text()
     if source.count(mutation.original) != 1:
         raise SystemExit(f"{mutation.name}: the text to break is no longer found once in {mutation.file}; "
                          "update tests/mutations/run.py")
-    path.write_text(source.replace(mutation.original, mutation.broken))
     try:
+        path.write_text(source.replace(mutation.original, mutation.broken))
         yield
     finally:
         path.write_text(source)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], mutations: list[Mutation] = MUTATIONS, repo: Path = REPO) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="words of the mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="name the mutations and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip running the selected tests unbroken first")
     args = parser.parse_args(argv)
-    chosen = [m for m in MUTATIONS if not args.names or any(word in m.name for word in args.names)]
+    chosen = [m for m in mutations if not args.names or any(word in m.name for word in args.names)]
     if not chosen:
         print(f"no mutation's name contains {' or '.join(map(repr, args.names))}; choose words from:", file=sys.stderr)
     if args.list or not chosen:
-        print("\n".join(m.name for m in MUTATIONS))
+        print("\n".join(m.name for m in mutations))
         return 0 if args.list else 2
-    if not args.no_baseline:
+    if why := refusal(mutations, repo):
+        print(f"mutations: {why}", file=sys.stderr)
+        return 2
+    for handled in HANDLED_SIGNALS:
+        signal.signal(handled, raise_interrupted)
+    try:
+        return run_mutations(chosen, args.no_baseline, repo)
+    except Interrupted as stop:
+        print(f"\nmutations: stopped by {stop}; the tests under way were ended and the source is restored",
+              file=sys.stderr)
+        return 128 + stop.signum
+
+
+def run_mutations(chosen: list[Mutation], no_baseline: bool, repo: Path) -> int:
+    if not no_baseline:
         tests = tuple(dict.fromkeys(test for m in chosen for test in m.tests))
-        code, failed, seconds = run_tests(tests)
+        code, failed, seconds = run_tests(tests, repo)
         print(f"baseline: {'pass' if code == 0 else f'FAILED {failed or code}'} ({seconds:.0f} s)", flush=True)
         if code != 0:
             return 1
     missed = 0
     for number, mutation in enumerate(chosen, 1):
-        with mutated(mutation):
-            code, failed, seconds = run_tests(mutation.tests)
+        # Printed before the file changes: what restores it if this run is killed with SIGKILL.
+        print(f"{number:2d}. {mutation.name} [{mutation.file}; if killed: {restore_command(mutation.file)}]: ",
+              end="", flush=True)
+        with mutated(mutation, repo):
+            code, failed, seconds = run_tests(mutation.tests, repo)
         caught = code == 1 and failed
         missed += not caught
         verdict = f"caught by {', '.join(failed)}" if caught else f"NOT CAUGHT (pytest exit {code})"
-        print(f"{number:2d}. {mutation.name}: {verdict} ({seconds:.0f} s)", flush=True)
+        print(f"{verdict} ({seconds:.0f} s)", flush=True)
     print(f"{len(chosen) - missed} of {len(chosen)} mutations caught")
     return 1 if missed else 0
 
