@@ -100,23 +100,25 @@ def test_device_path_trains_and_evaluates_like_the_dataloader_path_at_2_processe
     assert eval_device["loss"] == pytest.approx(eval_per_sample["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_not_warn(monkeypatch, processes):
+# (cores this process may use, processes on the machine) -> the workers data.num_workers=auto gives each process
+@pytest.mark.parametrize("cores, processes, workers", [(2, 1, 2), (2, 2, 1), (6, 4, 1), (16, 2, 8), (32, 1, 8)])
+def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_not_warn(monkeypatch, cores,
+                                                                                       processes, workers):
     """data.num_workers=auto: torch warns when a loader has more workers than the cores it sees (the demo on a
-    2-core machine printed that warning three times with the old default of 4)."""
+    2-core machine printed that warning three times with the old default of 4). The cores are faked through
+    os.sched_getaffinity, which both accel-train and torch's warning read."""
     import os
     import warnings
 
-    from accel_train.launch.distributed import dataloader_workers
-
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-    cores = len(os.sched_getaffinity(0))
-    assert DataConfig().num_workers == "auto" and dataloader_workers("auto") == min(8, cores // processes)
+    assert DataConfig().num_workers == "auto"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's "This DataLoader will create N worker processes" fails the test
         loader = make_loader(_images(16), DataConfig(on_device=False), 8, True, CPU)
-        assert loader.num_workers == dataloader_workers("auto") and len(next(iter(loader))[0]) == 8
-
+    assert loader.num_workers == workers
+    with pytest.warns(UserWarning, match="This DataLoader will create"):  # the check above can see the warning
+        make_loader(_images(16), DataConfig(on_device=False, num_workers=cores + 1), 8, True, CPU)
 
 
 @pytest.mark.parametrize("processes", [1, 2])
