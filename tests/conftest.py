@@ -166,7 +166,11 @@ class Crash(Exception):
 def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *overrides: str,
                                        resume: str = "auto") -> None:
     """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
-    resume=auto (or the checkpoint `resume` names), as a user would after a crash."""
+    resume=auto (or the checkpoint `resume` names), as a user would after a crash.
+
+    The second run must have started where that checkpoint left off: starts.jsonl says so, and the lines of
+    metrics.jsonl before that step are kept byte for byte. A run that silently started again from step 0 would
+    rewrite metrics.jsonl and reproduce an uninterrupted run: the caller's comparison alone cannot tell."""
     from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
@@ -181,7 +185,20 @@ def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *ove
     with pytest.raises(Crash):
         train_in_process(recipe, *overrides)
     monkeypatch.setattr(Checkpoints, "save", save)
+    out = Path(next(arg.split("=", 1)[1] for arg in overrides if arg.startswith("output_dir=")))
+    if resume == "auto":
+        saved = [json.loads(meta.read_text()) for meta in (out / "checkpoints").glob("*/checkpoint.json")]
+        resumed_from = max(saved, key=lambda meta: meta["serial"])["step"]
+        assert resumed_from == step, f"the newest checkpoint is of step {resumed_from}, not {step}"
+    else:
+        resumed_from = json.loads((Path(resume) / "checkpoint.json").read_text())["step"]
+    written = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    before = [line for line in written if json.loads(line)["step"] < resumed_from]
     train_in_process(recipe, *overrides, f"resume={resume}")
+    started = json.loads((out / "starts.jsonl").read_text().splitlines()[-1])["step"]
+    assert started == resumed_from, f"the resumed run started at step {started}, not at its checkpoint's {resumed_from}"
+    kept = (out / "metrics.jsonl").read_text().splitlines(keepends=True)[:len(before)]
+    assert kept == before, "the resumed run rewrote the lines of metrics.jsonl written before its checkpoint"
 
 
 def last_json_line(stdout: str) -> dict:
