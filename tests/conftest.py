@@ -168,9 +168,7 @@ def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *ove
     """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
     resume=auto (or the checkpoint `resume` names), as a user would after a crash.
 
-    The second run must have started where that checkpoint left off: starts.jsonl says so, and the lines of
-    metrics.jsonl before that step are kept byte for byte. A run that silently started again from step 0 would
-    rewrite metrics.jsonl and reproduce an uninterrupted run: the caller's comparison alone cannot tell."""
+    The second run must have started where that checkpoint left off (assert_resumed_from)."""
     from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
@@ -187,17 +185,36 @@ def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *ove
     monkeypatch.setattr(Checkpoints, "save", save)
     out = Path(next(arg.split("=", 1)[1] for arg in overrides if arg.startswith("output_dir=")))
     if resume == "auto":
-        saved = [json.loads(meta.read_text()) for meta in (out / "checkpoints").glob("*/checkpoint.json")]
-        resumed_from = max(saved, key=lambda meta: meta["serial"])["step"]
+        resumed_from = newest_checkpoint_step(out)
         assert resumed_from == step, f"the newest checkpoint is of step {resumed_from}, not {step}"
     else:
         resumed_from = json.loads((Path(resume) / "checkpoint.json").read_text())["step"]
-    written = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-    before = [line for line in written if json.loads(line)["step"] < resumed_from]
+    before = metrics_lines_before(out, resumed_from)
     train_in_process(recipe, *overrides, f"resume={resume}")
-    started = json.loads((out / "starts.jsonl").read_text().splitlines()[-1])["step"]
-    assert started == resumed_from, f"the resumed run started at step {started}, not at its checkpoint's {resumed_from}"
-    kept = (out / "metrics.jsonl").read_text().splitlines(keepends=True)[:len(before)]
+    assert_resumed_from(out, resumed_from, before)
+
+
+def newest_checkpoint_step(out: Path) -> int:
+    """The step of the checkpoint resume=auto takes: the newest save, by checkpoint.json's serial."""
+    saved = [json.loads(meta.read_text()) for meta in (Path(out) / "checkpoints").glob("*/checkpoint.json")]
+    assert saved, f"no checkpoint in {out}/checkpoints"
+    return max(saved, key=lambda meta: meta["serial"])["step"]
+
+
+def metrics_lines_before(out: Path, step: int) -> list[str]:
+    """metrics.jsonl's lines of steps before `step`, as written: a resume from `step` keeps them byte for byte."""
+    written = (Path(out) / "metrics.jsonl").read_text().splitlines(keepends=True)
+    return [line for line in written if json.loads(line)["step"] < step]
+
+
+def assert_resumed_from(out: Path, step: int, before: list[str]) -> None:
+    """The last start of the run in `out` began at `step` (starts.jsonl), and kept the lines `before` it.
+
+    A resume that silently started again from step 0 rewrites metrics.jsonl and can reproduce an uninterrupted
+    run line for line and bit for bit: comparing with that run alone cannot tell."""
+    started = json.loads((Path(out) / "starts.jsonl").read_text().splitlines()[-1])["step"]
+    assert started == step, f"the resumed run started at step {started}, not at its checkpoint's {step}"
+    kept = (Path(out) / "metrics.jsonl").read_text().splitlines(keepends=True)[:len(before)]
     assert kept == before, "the resumed run rewrote the lines of metrics.jsonl written before its checkpoint"
 
 
@@ -307,3 +324,4 @@ def two_hosts():
 def _delete_namespaces(hosts: list[Host]) -> None:
     for host in hosts:  # deleting a namespace deletes its end of the veth pair, and with it the other end
         subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)
+
