@@ -12,6 +12,7 @@ from accel_train.config import load_config
 from accel_train.launch.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
 from accel_train.run.checkpoint import Checkpoints, ResumePoint, resume_position
 from accel_train.run.writer import lines_up_to
+from conftest import read_metrics, train_in_process
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 # Samplers draw batch indices on the host by design (a CPU generator, never a device value).
@@ -197,3 +198,41 @@ def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(m
         with meter.paused():  # an evaluation and a checkpoint: 10 s that trained nothing
             clock["now"] += 2.5
     assert meter.compute()["samples_per_s"] == pytest.approx(4 * 32 / 2.0)
+
+
+def test_samples_per_s_of_a_training_run_leaves_out_its_evaluations_and_checkpoints(tmp_path, monkeypatch):
+    """The loop, not only the meter: every evaluation and every checkpoint of this run costs 1000 s on the meter's
+    clock (the clock is moved, nothing sleeps), and each train line's interval holds both. A line that counted
+    them would report at most 4 steps x 12 samples / 1000 s."""
+    import time
+    from types import SimpleNamespace
+
+    from accel_train.training import loop, meter
+
+    lost, saved_at = {"s": 0.0}, []
+    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + lost["s"]))
+    evaluate, save = loop.evaluate, Checkpoints.save
+
+    def slow_evaluate(accelerator, model, task, loader, *args, **kwargs):
+        lost["s"] += 1000
+        return evaluate(accelerator, model, task, loader, *args, **kwargs)
+
+    def slow_save(self, progress, *args, **kwargs):
+        lost["s"] += 1000
+        saved_at.append(progress.step)
+        return save(self, progress, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    monkeypatch.setattr(Checkpoints, "save", slow_save)
+    # 8 steps per epoch, 2 epochs: train lines at 4, 8, 12, 16; evaluations at 3, 6, 8, 9, 12, 15, 16; saves every 2
+    train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=12",
+                     "train.batch_size=12", "train.eval_batch_size=12", "train.epochs=2", "train.log_every_steps=4",
+                     "train.eval_every_steps=3", "checkpoint.every_steps=2", "train.plot=false",
+                     f"output_dir={tmp_path}")
+    lines = read_metrics(tmp_path, "train")
+    evaluated_at = [line["step"] for line in read_metrics(tmp_path, "test")]
+    assert [line["step"] for line in lines] == [4, 8, 12, 16]
+    for start in (0, 4, 8, 12):  # what happens at a line's step comes after the line: it counts towards the next
+        assert any(start <= step < start + 4 for step in evaluated_at), (start, evaluated_at)
+        assert any(start <= step < start + 4 for step in saved_at), (start, saved_at)
+    assert all(line["samples_per_s"] > 1.0 for line in lines), [line["samples_per_s"] for line in lines]
