@@ -182,6 +182,55 @@ def test_a_user_model_resumes_exactly(tmp_path, monkeypatch):
     assert_same_run(tmp_path / "resumed", tmp_path / "reference")
 
 
+EDITED_NET = """import torch
+from torch import nn
+
+WIDTH = {width}  # the user's edit between two runs: nothing in the config says so
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, image_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(image_shape).prod()), WIDTH), nn.ReLU(),
+                                 nn.Linear(WIDTH, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+"""
+
+
+def test_a_checkpoint_whose_tensors_no_longer_fit_the_users_model_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The same config, a model file edited since the save: only the checkpoint's tensor shapes can tell, and the
+    resume says which tensor differs before loading anything (exit 2, one line, no traceback)."""
+    import importlib
+    import sys
+
+    from accel_train.cli import main
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the recipe's folder joins sys.path for this test only
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # the edited file is read again, not a cached .pyc
+    module = tmp_path / "edited_net.py"
+    module.write_text(EDITED_NET.format(width=8))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("base: mnist_cnn\nmodel:\n  name: edited_net:Net\n")
+    run = ["train", str(recipe), "data.synthetic=true", "data.train_subset=24", "data.eval_subset=10",
+           "train.batch_size=12", "train.max_steps=2", "checkpoint.every_steps=1", "train.plot=false",
+           f"output_dir={tmp_path / 'run'}"]
+    train_in_process(*run[1:])
+    module.write_text(EDITED_NET.format(width=16))
+    monkeypatch.delitem(sys.modules, "edited_net")  # as the next command's new process would import it
+    importlib.invalidate_caches()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main([*run, "resume=auto"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    (line,) = err.splitlines()
+    assert line.startswith("accel-train: error: resume: ") and "step-00000002 does not fit model.name=edited_net:Net" \
+        in line and "net.1.bias has shape [8] there, [16] here" in line, line
+
+
 # --- the examples, at 1 and 2 processes ---------------------------------------------------------------------
 
 EXAMPLE_RUNS = {
