@@ -5,7 +5,8 @@ the real CLI and loop. The test hooks of the package live here, not in it.
 
 Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process:
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
-- `augment`: a fingerprint of the crop/flip parameters drawn for each augmented batch;
+- `crops` (with PROBE_CROPS=1 too): for each training batch the model received, its epoch and the sample index,
+  crop offsets and flip of each image, found from the pixels (conftest.CropFinder; small noise datasets only);
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses;
 - `eval_sets`: for each evaluation loader (validation, test), the (label, pixel sum) of each of its samples;
@@ -15,7 +16,7 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `meter`: the loss and the skip flag of every optimizer step, as the train-line meter received them;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
-The recorders never change what the run computes: the fingerprint reuses the batch's own keys.
+The recorders never change what the run computes.
 
 Faults:
 - PROBE_NONFINITE=STEP:PROCESS makes that process's loss NaN at optimizer step STEP before backward, so the
@@ -44,17 +45,19 @@ import json
 import math
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 
 from accel_train import cli
 from accel_train.training import loop
 from accel_train.workloads import data
+from conftest import crops_of_training_batches
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "augment": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
+record = {"batches": [], "crops": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
 
-_make_loader, _getitems, _crop_flip = loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip
+_make_loader, _getitems = loop.make_loader, data.InMemoryImages.__getitems__
 
 
 def make_loader(dataset, cfg, global_batch, train, *args):
@@ -69,13 +72,6 @@ def getitems(self, indices):
     if getattr(self, "probe_train", False):
         record["batches"].append([int(i) for i in indices])
     return _getitems(self, indices)
-
-
-def random_crop_flip(images, padding, keys):
-    count = min(8, len(keys))
-    ramp = torch.arange(64.0).view(1, 1, 8, 8).expand(count, 1, 8, 8)
-    record["augment"].append(_crop_flip(ramp, 2, keys[:count]).flatten().tolist()[::7])
-    return _crop_flip(images, padding, keys)
 
 
 def record_gradient_allreduce() -> None:
@@ -311,13 +307,14 @@ if __name__ == "__main__":
     out = os.environ.get("PROBE_DIR")
     if out:
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
-        loop.make_loader, data.random_crop_flip = make_loader, random_crop_flip
+        loop.make_loader = make_loader
         data.InMemoryImages.__getitems__ = getitems
         record_gradient_allreduce()
         record_saves()
         record_dropout_and_meter()
     try:
-        cli.main(sys.argv[1:])
+        with crops_of_training_batches(record["crops"]) if out and os.environ.get("PROBE_CROPS") else nullcontext():
+            cli.main(sys.argv[1:])
     except SystemExit as exit:
         if exit.code:
             raise
