@@ -93,7 +93,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=steps_per_epoch)
     model, optimizer, train_loader, test_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, val_loader, scheduler)
-    set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
+    set_seed(config.seed, device_specific=True)  # dropout differs per process
 
     progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch),
                         started=started)
