@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from accel_train.run.records import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
 PROFILES = REPO / "accelerate_configs"
 PROBE = "tests/launched_probe.py"  # the CLI with recorders and injected faults (see its docstring)
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -291,3 +293,118 @@ def two_hosts():
 def _delete_namespaces(hosts: list[Host]) -> None:
     for host in hosts:  # deleting a namespace deletes its end of the veth pair, and with it the other end
         subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)
+
+
+# Every process a test starts ends with the test. Whatever starts it (the helpers above, a test's own subprocess
+# call, a library), a process started through subprocess gets a token in its environment, and its descendants
+# inherit it: a launcher's workers too, though torch's launchers start each worker in a session of its own, so that
+# it outlives a launcher killed at a timeout. When the test's teardown is done, every process that carries a token
+# of that test gets SIGTERM, and SIGKILL `ENDING_GRACE_S` later if it ignores it (a training process handles SIGTERM
+# by saving a checkpoint, and one hung in a collective never gets there).
+TREE = "ACCEL_TRAIN_TEST_TREE"  # the tokens of every test process above (a test's child may run pytest too)
+ENDING_GRACE_S = 3
+_PLAIN_POPEN = subprocess.Popen
+_started: list[tuple[str, subprocess.Popen]] = []  # (token, process) of each start since end_started() last ran
+
+
+class ProcessesLeftRunning(UserWarning):
+    pass
+
+
+class _TrackedPopen(subprocess.Popen):
+    def __init__(self, args, *positional, env=None, **kwargs):
+        token = f"{os.getpid()}-{len(_started)}-{random.getrandbits(48):012x}"
+        env = dict(os.environ if env is None else env)
+        env[TREE] = f"{env.get(TREE, '')} {token}".lstrip()
+        super().__init__(args, *positional, env=env, **kwargs)
+        _started.append((token, self))
+
+
+subprocess.Popen = _TrackedPopen  # subprocess.run and the rest look Popen up in their module when called
+
+
+def carrying(tokens: set[str]) -> list:
+    """The live processes whose environment carries one of `tokens` (zombies have none left)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and tokens.intersection(process.environ().get(TREE, "").split()):
+                found.append(process)
+        except psutil.Error:  # gone meanwhile, or another user's
+            pass
+    return found
+
+
+def end_processes(tokens: set[str], grace_s: float = ENDING_GRACE_S) -> list[str]:
+    """SIGTERM to every process that carries one of `tokens`, SIGKILL to those alive `grace_s` later; their
+    command lines. Again while any is found: a launcher may start a worker while it is being ended."""
+    import psutil
+
+    ended = []
+    for _ in range(5):
+        processes = carrying(tokens)
+        if not processes:
+            break
+        for process in processes:
+            try:
+                ended.append(" ".join(process.cmdline()))
+                process.terminate()
+                process.resume()  # a stopped process takes SIGTERM only once it runs again
+            except psutil.Error:
+                pass
+        for process in _still_running(processes, grace_s):
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        _still_running(processes, 10)
+    return ended
+
+
+def _still_running(processes: list, timeout_s: float) -> list:
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for process in processes:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    running.append(process)
+            except psutil.Error:
+                pass
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.05)
+
+
+def end_started() -> None:
+    """End what was started through subprocess since the last call, and say so if any was still running."""
+    ended = end_processes({token for token, _ in _started})
+    for _, process in _started:
+        process.poll()  # reaps the ended processes that were this one's children
+    _started.clear()
+    if ended:
+        warnings.warn(ProcessesLeftRunning(f"{len(ended)} process(es) still running at the end of the test were "
+                                           f"ended: {ended}"), stacklevel=1)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    end_started()  # what began outside any test (nothing should), so that what follows is this test's
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        end_started()
+
+
+def pytest_sessionfinish(session):
+    end_started()  # a test cut short (Ctrl-C) never reached its teardown
+
