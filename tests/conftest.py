@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import builtins
+import dis
+import inspect
 import json
 import os
+import pty
 import random
 import socket
 import stat
 import subprocess
 import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -408,3 +413,82 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_sessionfinish(session):
     end_started()  # a test cut short (Ctrl-C) never reached its teardown
 
+
+# The fast tier (`make test-fast`): the tests not marked `processes`. The mark is derived here from the code a test
+# runs: the test, its fixtures and parameters, and every function and class of tests/ they name, followed through:
+# one that names a way to start a process (subprocess, os.system, fork, pty) starts processes. Code outside tests/
+# is not read: a test whose processes a library starts (torch.compile runs a C++ compiler) carries the mark itself,
+# and a test without the mark that starts a process fails, naming what it started.
+_STARTERS = {id(starter) for starter in (
+    _PLAIN_POPEN, _TrackedPopen, subprocess.run, subprocess.call, subprocess.check_call, subprocess.check_output,
+    subprocess.getoutput, subprocess.getstatusoutput, os.system, os.popen, os.fork, os.forkpty, os.posix_spawn,
+    os.posix_spawnp, os.spawnv, os.spawnve, os.spawnvp, os.spawnvpe, os.spawnl, os.spawnle, os.spawnlp,
+    os.spawnlpe, os.execv, os.execve, os.execvp, os.execvpe, pty.fork, pty.spawn)}
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    seen: set = set()
+    named = [item.obj, *getattr(getattr(item, "callspec", None), "params", {}).values()]
+    named += [fixture.func for name in item.fixturenames
+              for fixture in item._fixtureinfo.name2fixturedefs.get(name, ())]
+    return any(_starts(thing, seen) for thing in named)
+
+
+def _starts(thing, seen: set) -> bool:
+    """Whether `thing` is a way to start a process, or code of tests/ that names one."""
+    if id(thing) in _STARTERS:
+        return True
+    if isinstance(thing, (list, tuple, set, frozenset, dict)):
+        return any(_starts(part, seen) for part in (thing.values() if isinstance(thing, dict) else thing))
+    if isinstance(thing, type) and _in_tests(getattr(sys.modules.get(thing.__module__), "__file__", None)):
+        return any(_starts(member, seen) for member in vars(thing).values())
+    function = inspect.unwrap(getattr(thing, "__func__", thing)) if callable(thing) else None
+    code = getattr(function, "__code__", None)
+    return code is not None and _in_tests(code.co_filename) and _code_starts(code, function.__globals__, seen)
+
+
+def _in_tests(filename: str | None) -> bool:
+    return filename is not None and Path(filename).resolve().is_relative_to(TESTS)
+
+
+def _code_starts(code, namespace: dict, seen: set) -> bool:
+    if code in seen:
+        return False
+    seen.add(code)
+    current = imported = None
+    for instruction in dis.get_instructions(code):
+        operation, name = instruction.opname, instruction.argval
+        if operation in ("LOAD_GLOBAL", "LOAD_NAME"):
+            current = namespace.get(name, getattr(builtins, name, None))
+        elif operation.startswith(("LOAD_FAST", "LOAD_DEREF")) and isinstance(name, str):  # a module imported
+            current = sys.modules.get(name)  # inside the function
+        elif operation == "IMPORT_NAME":
+            current = imported = sys.modules.get(name)
+        elif operation == "IMPORT_FROM":
+            current = getattr(imported, name, None)
+        elif operation in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(current, (types.ModuleType, type)):
+            current = getattr(current, name, None)
+        else:
+            current = None
+        if current is not None and _starts(current, seen):
+            return True
+    return any(_code_starts(const, namespace, seen) for const in code.co_consts if inspect.iscode(const))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by it
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if isinstance(item, pytest.Function) and not item.get_closest_marker("processes") and starts_processes(item):
+            item.add_marker("processes")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    if _started and not item.get_closest_marker("processes"):
+        commands = [" ".join(map(str, process.args)) if isinstance(process.args, list) else str(process.args)
+                    for _, process in _started]
+        pytest.fail(f"{item.nodeid} started {len(commands)} process(es) without the mark `processes`, so it runs in "
+                    f"make test-fast: {commands}. conftest.py derives the mark from the code of tests/ a test runs; "
+                    "where a library starts the processes, mark the test @pytest.mark.processes.", pytrace=False)
+    return result
