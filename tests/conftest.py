@@ -325,8 +325,6 @@ class _TrackedPopen(subprocess.Popen):
         _started.append((token, self))
 
 
-subprocess.Popen = _TrackedPopen  # subprocess.run and the rest look Popen up in their module when called
-
 
 def carrying(tokens: set[str]) -> list:
     """The live processes whose environment carries one of `tokens` (zombies have none left)."""
@@ -398,7 +396,7 @@ def end_started() -> None:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item):
-    end_started()  # what began outside any test (nothing should), so that what follows is this test's
+    subprocess.Popen = _TrackedPopen  # subprocess.run and the rest look Popen up in their module when called
     return (yield)
 
 
@@ -407,6 +405,7 @@ def pytest_runtest_teardown(item, nextitem):
     try:
         return (yield)
     finally:
+        subprocess.Popen = _PLAIN_POPEN  # outside tests (collection, pytest-xdist's own workers) nothing is tracked
         end_started()
 
 

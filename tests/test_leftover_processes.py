@@ -1,12 +1,11 @@
 """The suite ends whatever a test started (conftest.py): a test that passes, fails, or times out waiting for a
-launch leaves no process behind, though its processes ignore SIGTERM and the launcher's worker runs in a session of
-its own, as the workers of torch's launchers do (a killed launcher leaves them running)."""
+launch leaves no process behind once it ends, though its processes ignore SIGTERM and the launcher's worker runs in
+a session of its own, as the workers of torch's launchers do (a killed launcher leaves them running)."""
 
 import os
+import re
 import subprocess
 import sys
-
-import psutil
 
 from conftest import REPO, TESTS
 
@@ -23,11 +22,13 @@ with open(pids, "a") as file:
 time.sleep(600)
 """
 
-# Three tests that start the tree through conftest's helpers: the launch times out, the test fails, the test passes.
+# Three tests that start the tree through conftest's helpers (the launch times out, the test fails, the test passes),
+# then one that looks for any of their processes.
 SCENARIOS = """\
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import PYTHON, _run, start
@@ -59,15 +60,20 @@ def test_fails(tmp_path):
 def test_passes(tmp_path):
     start(tree("passes"), tmp_path / "log")
     both_started("passes")
+
+
+def test_each_ended_with_its_test():
+    running = []
+    for pids in TREE.parent.glob("*.pids"):
+        for pid in map(int, pids.read_text().split()):
+            try:
+                process = psutil.Process(pid)
+                if str(TREE) in process.cmdline() and process.status() != psutil.STATUS_ZOMBIE:
+                    running.append(process.cmdline())
+            except psutil.Error:
+                pass
+    assert not running
 """
-
-
-def running(pid: int, script) -> bool:
-    try:
-        process = psutil.Process(pid)
-        return str(script) in process.cmdline() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def test_a_test_that_passes_fails_or_times_out_leaves_none_of_its_processes_running(tmp_path):
@@ -77,13 +83,12 @@ def test_a_test_that_passes_fails_or_times_out_leaves_none_of_its_processes_runn
     env["PYTHONPATH"] = str(TESTS)
     # conftest.py as a plugin (-p conftest, found on PYTHONPATH), with the project's pytest settings
     result = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-c", str(REPO / "pyproject.toml"),
-                             "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "tmp"), "-q",
+                             "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "tmp"), "-v",
                              str(tmp_path / "test_scenarios.py")],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert "2 failed, 1 passed" in result.stdout and "TimeoutExpired" in result.stdout, result.stdout + result.stderr
-    for name in ("times_out", "fails", "passes"):
-        pids = [int(pid) for pid in (tmp_path / f"{name}.pids").read_text().split()]
-        assert len(pids) == 2, (name, pids, result.stdout[-3000:])
-        assert not [pid for pid in pids if running(pid, tmp_path / "tree.py")], (name, result.stdout[-3000:])
-    assert result.stdout.count("still running at the end of the test were ended") == 3, result.stdout[-3000:]
-
+    outcomes = dict(re.findall(r"::(test_\w+) (PASSED|FAILED)", result.stdout))
+    assert outcomes == {"test_times_out": "FAILED", "test_fails": "FAILED", "test_passes": "PASSED",
+                        "test_each_ended_with_its_test": "PASSED"}, result.stdout[-5000:] + result.stderr[-3000:]
+    assert "TimeoutExpired" in result.stdout and "still running at the end of the test were ended" in result.stdout
+    for name in ("times_out", "fails", "passes"):  # each tree had started whole
+        assert len((tmp_path / f"{name}.pids").read_text().split()) == 2, name
