@@ -1,4 +1,6 @@
-"""Helpers that run accel-train the way users do: as a command, alone or under a launcher."""
+"""Helpers that run accel-train the way users do: as a command, alone or under a launcher. Also: every process a
+test starts ends with the test, and the tests that start processes are marked `processes` (make test-fast leaves
+them out)."""
 
 from __future__ import annotations
 
@@ -323,7 +325,6 @@ class _TrackedPopen(subprocess.Popen):
         env[TREE] = f"{env.get(TREE, '')} {token}".lstrip()
         super().__init__(args, *positional, env=env, **kwargs)
         _started.append((token, self))
-
 
 
 def carrying(tokens: set[str]) -> list:
