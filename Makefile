@@ -64,7 +64,7 @@ test-min: install data
 		$$($(UV) pip freeze --python $(BIN)/python | grep -E '^torch(vision)?==')
 	ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
 
-# One-off, not in CI: about 12 minutes, and it edits the working tree while it runs (restoring every file).
+# One-off, not in CI: about 10 minutes, and it edits the working tree while it runs (restoring every file).
 mutations: install
 	$(BIN)/python tests/mutations/run.py $(MUTATIONS)
 

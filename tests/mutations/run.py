@@ -5,7 +5,7 @@ runs the tests named for it, and restores the file whatever happens. A mutation 
 (pytest exit 1); one whose tests still pass is a claim no test guards. The selected tests are first run on the
 unbroken source, which must pass, or the check proves nothing.
 
-    python tests/mutations/run.py              # every mutation (about 12 minutes on 2 CPU cores)
+    python tests/mutations/run.py              # every mutation (about 10 minutes on 2 CPU cores)
     python tests/mutations/run.py NAME ...     # some of them; --list names them
 
 Not part of CI: it takes long, and it edits the working tree while it runs (do not edit files meanwhile).
