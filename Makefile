@@ -1,5 +1,7 @@
 # make demo      - set up everything on a fresh machine and train Fashion-MNIST for one epoch
-# make test      - set up everything (with dev extras and data), lint (ruff), run the test suite, then test-min
+# make test      - set up everything (with dev extras and data), lint (ruff), run the test suite (its 15 slowest tests
+#                  named), then test-min
+# make test-fast - lint, then the tests that start no process (about 25 s): what to run after every edit
 # make test-min  - the contract tests at the lowest versions pyproject.toml allows (accelerate, evaluate, datasets,
 #                  numpy, pyyaml, tqdm, safetensors, matplotlib, psutil, packaging, tensorboard) beside this torch
 # make mutations - break each contract in turn (tests/mutations/run.py) and show a test fails; not part of test
@@ -17,7 +19,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # cores, at most 4, since one test may start several training processes.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install data demo lint test test-min mutations clean
+.PHONY: install data demo lint test test-fast test-min mutations clean
 
 install: $(VENV)/.installed
 
@@ -45,8 +47,12 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install data lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(MAKE) --no-print-directory test-min
+
+# The tests that start no process (tests/conftest.py marks the others `processes`, from the code they run).
+test-fast: install data lint
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m 'not processes'
 
 # Every direct dependency at its declared floor (uv's lowest-direct resolution), the test tools (the dev extra)
 # at theirs too, beside the torch and torchvision of $(VENV) (older wheels are not installable everywhere: their
@@ -58,7 +64,7 @@ test-min: install data
 		$$($(UV) pip freeze --python $(BIN)/python | grep -E '^torch(vision)?==')
 	ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
 
-# One-off, not in CI: about 12 minutes, and it edits the working tree while it runs (restoring every file).
+# One-off, not in CI: about 10 minutes, and it edits the working tree while it runs (restoring every file).
 mutations: install
 	$(BIN)/python tests/mutations/run.py $(MUTATIONS)
 

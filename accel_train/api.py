@@ -16,6 +16,9 @@ or a recipe and `checkpoint`; either way a setting that changes what the weights
 data.image_size, data.normalize, task) must agree with the run's. Objects given (a task, a model,
 datasets) take the place of the names the recipe gives; config.yaml records them as <module.Class>.
 Mistakes raise `accel_train.UserError` with the one line the command line would print.
+
+The command line calls these same functions: `train`, and for eval and predict `run_config` (the checks, before
+torch loads), then `evaluate_run` / `predict_run`. The checks before training run once, in `check_training`.
 """
 
 from __future__ import annotations
@@ -24,29 +27,49 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accel_train.config import CONFIG_FILE, Config, list_recipes, load_config
+from accel_train.config import Config, list_recipes, load_config, refuse_contradictions
 from accel_train.errors import DataNotFoundError, UserError
-from accel_train.imports import given_object_name
+from accel_train.import_paths import given_object_name
 from accel_train.installed import check_versions
-from accel_train.run_folder import refuse_other_settings, run_of
+from accel_train.run.checkpoint import check_resume, read_meta
+from accel_train.run.layout import CONFIG_FILE, read_config, run_of, weights_folder
+from accel_train.run.tracking import tracker_names
+from accel_train.run.writer import check_output_dir
 
 if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-    from accel_train.tasks import Task
+    from accel_train.workloads.tasks import Task
 
 
 def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.nn.Module | None = None,
           train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
           task: Task | None = None) -> dict:
     """Train; returns the final evaluation's metrics (every process gets the same)."""
-    from accel_train import loop
-
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
         raise UserError("train_dataset and eval_dataset: give both, or neither (the recipe's data.name is used)")
-    return loop.train(config, task=task, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    task, trackers = check_training(config, task)
+    from accel_train.training import loop
+
+    return loop.train(config, task, trackers, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset)
+
+
+def check_training(config: Config, task: Task | None = None) -> tuple[Task, list[str]]:
+    """Every check before training, once: first those that need no torch (trackers, the run folder, the checkpoint
+    to resume), so a mistake there answers at once; then the task's (the task `config.task` names when none is
+    given). Returns the task and Accelerate's tracker names."""
+    trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
+    check_output_dir(config)
+    check_resume(config)
+    from accel_train.workloads.tasks import task_named
+    from accel_train.workloads.tasks.base import check_mixing
+
+    task = task if task is not None else task_named(config.task)
+    task.check_config(config)
+    check_mixing(task, config)
+    return task, trackers
 
 
 def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, overrides: Sequence[str] = (), *,
@@ -55,11 +78,16 @@ def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, 
     """Metrics of the weights in `checkpoint` (a run folder, a checkpoint folder or a model.safetensors; unset:
     the run folder given as `recipe`) on the test split (or split="val", the run's validation split), over
     exactly its samples at any world size, plus `num_processes` (the world size)."""
-    from accel_train import loop
+    config, checkpoint = run_config(recipe, checkpoint, overrides, "eval", model, task, eval_dataset, split=split)
+    return evaluate_run(config, checkpoint, task=task, model=model, eval_dataset=eval_dataset, split=split)
 
-    config, checkpoint = run_config(recipe, checkpoint, overrides, "eval", model, task, eval_dataset)
-    return loop.evaluate_checkpoint(config, checkpoint, task=task, model=model, eval_dataset=eval_dataset,
-                                    split=split)
+
+def evaluate_run(config: Config, checkpoint: str, *, task: Task | None = None, model: torch.nn.Module | None = None,
+                 eval_dataset: Dataset | None = None, split: str = "test") -> dict:
+    """`evaluate` of what `run_config` returned (and checked)."""
+    from accel_train.training.evaluation import evaluate_checkpoint
+
+    return evaluate_checkpoint(config, checkpoint, task=task, model=model, eval_dataset=eval_dataset, split=split)
 
 
 def predict(recipe: str | Config | None = None, checkpoint: str | None = None, inputs: str | None = None,
@@ -68,22 +96,41 @@ def predict(recipe: str | Config | None = None, checkpoint: str | None = None, i
     """The top `predict.top_k` labels and scores of each image file under `inputs` (a file, a folder searched
     recursively, or a glob): rows {"path", "labels", "scores"} sorted by path, also written as CSV to `output`.
     `checkpoint` unset: the run folder given as `recipe`."""
-    from accel_train.prediction import predict as run
-
     if inputs is None:
         raise UserError("predict needs inputs: an image file, a folder or a glob, e.g. inputs='photos/'")
     config, checkpoint = run_config(recipe, checkpoint, overrides, "predict", model, task)
-    return run(config, checkpoint, str(inputs), output, task=task, model=model)
+    return predict_run(config, checkpoint, str(inputs), output, task=task, model=model)
+
+
+def predict_run(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
+                model: torch.nn.Module | None = None) -> list[dict]:
+    """`predict` of what `run_config` returned (and checked)."""
+    from accel_train.training.prediction import predict
+
+    return predict(config, checkpoint, inputs, output, task=task, model=model)
 
 
 def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: Sequence[str], command: str,
-               model=None, task=None, eval_dataset=None) -> tuple[Config, str]:
+               model=None, task=None, eval_dataset=None, split: str = "test") -> tuple[Config, str]:
     """The config and the weights `command` (eval, predict) uses, checked against what the run was trained with;
     no torch import, so the command line answers before torch loads."""
+    if split not in ("test", "val"):
+        raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
     recipe, checkpoint = _recipe_and_checkpoint(recipe, checkpoint, command)
     config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)
-    refuse_other_settings(config, checkpoint, command)
+    _refuse_other_settings(config, checkpoint, command)
     return config, checkpoint
+
+
+def _refuse_other_settings(config: Config, checkpoint: str, command: str) -> None:
+    """`config` may differ from what the weights at `checkpoint` were trained with only where that does not change
+    what they mean (data.root, data.eval_subset, train.eval_batch_size, ...): the same check as resume's."""
+    meta, run = read_meta(weights_folder(checkpoint)), run_of(checkpoint)
+    recorded = meta["config"] if meta is not None else read_config(run) if run is not None else None
+    if recorded is not None:
+        refuse_contradictions(recorded, config, f"{command}: {checkpoint} was trained with other settings",
+                              "these change what the weights mean: leave them out (the run folder alone gives "
+                              f"its own: accel-train {command} {run or checkpoint} ...)")
 
 
 def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
@@ -135,7 +182,7 @@ def _with_objects(config: Config, model, task, train_dataset, eval_dataset) -> C
             raise UserError(f"model: found {type(model).__name__}, expected a torch.nn.Module")
         config.model.name = given_object_name(model)
     if task is not None:
-        from accel_train.tasks import check_task
+        from accel_train.workloads.tasks import check_task
 
         check_task(task, "task")
         config.task = given_object_name(task)

@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
                                  "accelerate config, multi-node network; exit 1 on any problem")
-    from accel_train.doctor import add_arguments  # no torch import: the module imports it only when run
+    from accel_train.launch.settings import add_arguments  # the accelerate launch flags doctor checks
 
     add_arguments(doctor)
     return parser
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["launch"]:  # its arguments are accelerate launch's, passed on untouched
-            from accel_train.launch import main as launch
+            from accel_train.launch.command import main as launch
 
             return launch(argv[1:])
         if argv[:1] in (["--version"], ["-V"]):
@@ -142,14 +142,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _print_versions() -> None:
-    import platform
-
     from accel_train.installed import version_problems, versions
 
     for name, version in versions().items():
         print(f"{name:12s} {version}")
-    print(f"{'python':12s} {platform.python_version()}")
-    from accel_train.doctor import visible_devices  # imports torch: after the versions, which need none
+    from accel_train.installed import visible_devices  # imports torch: after the versions, which need none
 
     print(f"{'devices':12s} {visible_devices()[3]}")
     for problem in version_problems():
@@ -157,7 +154,7 @@ def _print_versions() -> None:
 
 
 def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
-    from accel_train.distributed import is_reporting_process, launcher_ranks, launcher_world_size
+    from accel_train.launch.settings import is_reporting_process, launcher_ranks, launcher_world_size
 
     if getattr(err, "on_every_process", True):  # the same line on every process: the main one says it
         if is_reporting_process():
@@ -184,7 +181,7 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{name:24s} {profile_summary(path)}")
         return
     if args.command == "doctor":
-        from accel_train.doctor import run
+        from accel_train.tools.doctor import run
 
         sys.exit(run(args))
     if args.command in ("runs", "plot"):
@@ -207,51 +204,34 @@ def _run(args: argparse.Namespace) -> None:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
 
-        from accel_train.bench import run_bench
+        from accel_train.tools.bench import run_bench
 
         run_bench(recipe, overrides, args.quick, args.processes, args.peak_tflops, args.steps)
         return
     recipe, overrides = _recipe_or_override(args.recipe, overrides)
     given, overrides = _arguments(overrides, COMMAND_ARGUMENTS.get(args.command, {}), args.command)
+    from accel_train import api
+    from accel_train.launch.settings import is_reporting_process
+
+    # Torch loads only once the config is known to be valid: the API checks first (and, for eval and predict,
+    # that it agrees with the run).
     if args.command == "train":
-        config = load_config(recipe, overrides)
-        # The run folder and resume=PATH answer before torch loads, as config mistakes do.
-        from accel_train.checkpoint import check_resume
-        from accel_train.run_folder import check_output_dir
-        from accel_train.tracking import tracker_names
-
-        tracker_names(config.train.log_with)  # before check_output_dir creates the folder
-        check_output_dir(config)
-        check_resume(config)
-    else:  # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
-        from accel_train.api import run_config
-        from accel_train.run_folder import check_split
-
-        config, checkpoint = run_config(recipe, given.get("checkpoint"), overrides, args.command)
-        check_split(given.get("split", "test"))
-
-    from accel_train.distributed import is_reporting_process
-
-    if args.command == "eval" and is_reporting_process():  # torch and the data take seconds: say what is coming
-        print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} "
-              f"{given.get('split', 'test')})...", file=sys.stderr, flush=True)
-    # Torch loads only now that the config is known to be valid (and, for eval and predict, agrees with the run).
-    if args.command == "train":
-        from accel_train import api
-
-        api.train(config)
-    elif args.command == "eval":
-        from accel_train.loop import evaluate_checkpoint
-
-        metrics = evaluate_checkpoint(config, checkpoint, split=given.get("split", "test"))
+        api.train(recipe, overrides)
+        return
+    # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
+    split = given.get("split", "test")
+    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, args.command, split=split)
+    if args.command == "eval":
+        if is_reporting_process():  # torch and the data take seconds: say what is coming
+            print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} {split})...",
+                  file=sys.stderr, flush=True)
+        metrics = api.evaluate_run(config, checkpoint, split=split)
         if is_reporting_process():
             print(f"accel-train eval: {checkpoint}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
-        from accel_train.prediction import predict
-
         output = given.get("output", "predictions.csv")
-        rows = predict(config, checkpoint, given["input"], output)
+        rows = api.predict_run(config, checkpoint, given["input"], output)
         if is_reporting_process():
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
 
@@ -276,28 +256,30 @@ def _look(args: argparse.Namespace) -> None:
     """`runs` and `plot`: read run folders only (no torch)."""
     from pathlib import Path
 
-    from accel_train import runs
+    from accel_train.run import records as runs
+    from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
 
     if args.command == "plot":
         given, folders = _arguments(args.runs, {"output": None}, "plot")
-        found = [run for folder in folders for run in runs.find_runs(Path(folder))]
+        found = [run for folder in folders for run in find_runs(Path(folder))]
         if not found:
-            raise UserError(f"plot: no run folder (one holding config.yaml and metrics.jsonl) in {' '.join(folders)}")
+            raise UserError(f"plot: no run folder (one holding {CONFIG_FILE} and {METRICS_FILE}) in "
+                            f"{' '.join(folders)}")
         from accel_train.errors import writing
-        from accel_train.plots import plot_runs
+        from accel_train.run.plots import plot_runs
 
-        output = Path(given.get("output", "curves.png"))
+        output = Path(given.get("output", CURVES_FILE))
         with writing(output, "drawing the plot", "choose another output=FILE"):
             print(plot_runs(found, output, runs.run_names(found)), flush=True)
         return
     root = Path(args.folder)
     if args.diff:
-        a, b = (runs.run_folder(name, root) for name in args.diff)
+        a, b = (run_folder(name, root) for name in args.diff)
         differences = runs.config_diff(a, b)
         print(json.dumps([{"key": key, "a": x, "b": y} for key, x, y in differences], indent=1) if args.json
               else runs.diff_table(*args.diff, differences))
         return
-    found = runs.find_runs(root)
+    found = find_runs(root)
     summaries = [runs.summarize(folder, name) for folder, name in zip(found, runs.run_names(found))]
     print(json.dumps(summaries, indent=1) if args.json else runs.table(summaries) if summaries
           else f"no runs under {root}")

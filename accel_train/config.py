@@ -16,10 +16,10 @@ from typing import Any, Literal
 import yaml
 
 from accel_train.errors import UserError
-from accel_train.imports import add_search_dir, is_given_object
+from accel_train.import_paths import add_search_dir, is_given_object
+from accel_train.run.layout import CONFIG_FILE
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
-CONFIG_FILE = "config.yaml"  # the resolved config a run writes to its output_dir, itself a recipe
 # Keys that decide what trained weights mean (model.* too): evaluating, predicting or resuming with another value
 # would silently give other numbers, so a value that contradicts the run's is refused.
 MEANING_KEYS = ("task", "data.name", "data.num_classes", "data.image_size", "data.normalize", "data.mean",

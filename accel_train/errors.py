@@ -1,4 +1,6 @@
-"""Errors a user can act on: reported as one line, never as a traceback. Each class is one exit code (README)."""
+"""Errors a user can act on: reported as one line, never as a traceback. Each class is one exit code (README).
+
+A failure of the disk while writing becomes a StorageError here (`writing`); lines for people are console.py's."""
 
 
 class UserError(Exception):
@@ -56,24 +58,6 @@ class Preempted(Exception):
     """
 
     exit_code = 75
-
-
-def say(text: str, error: bool = False, nolock: bool = False) -> None:
-    """A line on stdout (stderr) that leaves a progress bar whole: tqdm clears the bar, the line is printed, and the
-    bar is drawn again below it. `nolock` in a signal handler, which may interrupt tqdm holding its lock."""
-    import sys
-
-    from tqdm.auto import tqdm
-
-    stream = sys.stderr if error else sys.stdout
-    with tqdm.external_write_mode(file=stream, nolock=nolock):
-        print(text, file=stream, flush=True)
-
-
-def warn(accelerator, text: str) -> None:
-    """One warning line on stderr, from the main process only."""
-    if accelerator.is_main_process:
-        say(f"accel-train: warning: {text}", error=True)
 
 
 FULL_DISK_BYTES = 16 * 2**20  # below this much free space, a failed write is taken to be the full disk
@@ -134,14 +118,3 @@ class writing:
         if error is None:
             return False
         raise error from None
-
-
-def usual_permissions(*paths) -> None:
-    """Give files the mode every other file of the run gets (0666 less the umask): safetensors writes its files
-    readable by their owner only, which breaks sharing a run folder with a group or a serving user."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in paths:
-        os.chmod(path, 0o666 & ~umask)

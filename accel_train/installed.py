@@ -1,10 +1,13 @@
-"""What is installed: the launch profiles shipped with the package, and the versions of the libraries accel-train
-needs, checked against the floors pyproject.toml declares (read back from the installed package's metadata, so
-there is one list). No torch import here: the check runs before torch loads."""
+"""What is installed: the launch profiles shipped with the package, the versions of the libraries accel-train
+needs (gathered here once, and checked against the floors pyproject.toml declares, read back from the installed
+package's metadata, so there is one list), and the devices torch sees. No torch import at module level: the
+check runs before torch loads."""
 
 from __future__ import annotations
 
 import functools
+import os
+import platform
 from importlib import metadata
 from pathlib import Path
 
@@ -95,11 +98,38 @@ def check_versions(extras: tuple[str, ...] = ()) -> None:
         raise UserError(problems[0] + more)
 
 
+@functools.cache
 def versions() -> dict[str, str]:
+    """accel-train's version and those of the libraries a run depends on, and Python's: what --version, doctor,
+    bench and every run's config.yaml record (gathered once a process)."""
     found = {}
     for name in (DISTRIBUTION, "torch", "torchvision", "accelerate"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = __version__ if name == DISTRIBUTION else "not installed"
-    return found
+    return {**found, "python": platform.python_version()}
+
+
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN has native bf16 kernels here (AVX512-BF16 / AMX); without them autocast only emulates."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def visible_devices() -> tuple[str, str, list[str], str]:
+    """The device type ("cuda", "xpu" or "cpu"), its process-group backend, the device names, and one line
+    saying what is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return "cuda", "nccl", names, f"{len(names)} CUDA GPU(s): {', '.join(names)}"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        names = [f"xpu:{i}" for i in range(torch.xpu.device_count())]
+        return "xpu", "xccl", names, f"{len(names)} Intel XPU(s)"
+    return "cpu", "gloo", [], f"no GPU visible; CPU with {os.cpu_count()} cores"

@@ -1,23 +1,33 @@
-"""Helpers that run accel-train the way users do: as a command, alone or under a launcher."""
+"""Helpers that run accel-train the way users do: as a command, alone or under a launcher. Also: every process a
+test starts ends with the test, and the tests that start processes are marked `processes` (make test-fast leaves
+them out)."""
 
 from __future__ import annotations
 
+import builtins
+import dis
+import inspect
 import json
 import os
+import pty
 import random
 import socket
 import stat
 import subprocess
 import sys
 import time
+import types
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from accel_train.runs import TIMING
+from accel_train.run.records import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
 PROFILES = REPO / "accelerate_configs"
 PROBE = "tests/launched_probe.py"  # the CLI with recorders and injected faults (see its docstring)
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -51,18 +61,17 @@ def run_cli(*args: str, timeout: int = 300, check: bool = True, env: dict | None
 def train_in_process(recipe: str, *overrides: str) -> dict:
     """`accel-train train RECIPE OVERRIDES` in this process, for set-ups whose point is not the command line (a
     model to evaluate, a reference run): no interpreter start. One thread, as the launched runs have."""
-    from accel_train import loop
-    from accel_train.config import load_config
+    from accel_train import api
 
-    return _one_thread(loop.train, load_config(recipe, list(overrides)))
+    return _one_thread(api.train, recipe, list(overrides))
 
 
 def evaluate_in_process(recipe: str, checkpoint: Path, *overrides: str) -> dict:
     """`accel-train eval RECIPE checkpoint=CHECKPOINT OVERRIDES` in this process: its metrics."""
-    from accel_train import loop
+    from accel_train import api
     from accel_train.config import load_config
 
-    return _one_thread(loop.evaluate_checkpoint, load_config(recipe, list(overrides)), str(checkpoint))
+    return _one_thread(api.evaluate_run, load_config(recipe, list(overrides)), str(checkpoint))
 
 
 def _one_thread(function, *args):
@@ -167,8 +176,10 @@ class Crash(Exception):
 def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *overrides: str,
                                        resume: str = "auto") -> None:
     """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
-    resume=auto (or the checkpoint `resume` names), as a user would after a crash."""
-    from accel_train.checkpoint import Checkpoints
+    resume=auto (or the checkpoint `resume` names), as a user would after a crash.
+
+    The second run must have started where that checkpoint left off (assert_resumed_from)."""
+    from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
 
@@ -182,7 +193,39 @@ def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *ove
     with pytest.raises(Crash):
         train_in_process(recipe, *overrides)
     monkeypatch.setattr(Checkpoints, "save", save)
+    out = Path(next(arg.split("=", 1)[1] for arg in overrides if arg.startswith("output_dir=")))
+    if resume == "auto":
+        resumed_from = newest_checkpoint_step(out)
+        assert resumed_from == step, f"the newest checkpoint is of step {resumed_from}, not {step}"
+    else:
+        resumed_from = json.loads((Path(resume) / "checkpoint.json").read_text())["step"]
+    before = metrics_lines_before(out, resumed_from)
     train_in_process(recipe, *overrides, f"resume={resume}")
+    assert_resumed_from(out, resumed_from, before)
+
+
+def newest_checkpoint_step(out: Path) -> int:
+    """The step of the checkpoint resume=auto takes: the newest save, by checkpoint.json's serial."""
+    saved = [json.loads(meta.read_text()) for meta in (Path(out) / "checkpoints").glob("*/checkpoint.json")]
+    assert saved, f"no checkpoint in {out}/checkpoints"
+    return max(saved, key=lambda meta: meta["serial"])["step"]
+
+
+def metrics_lines_before(out: Path, step: int) -> list[str]:
+    """metrics.jsonl's lines of steps before `step`, as written: a resume from `step` keeps them byte for byte."""
+    written = (Path(out) / "metrics.jsonl").read_text().splitlines(keepends=True)
+    return [line for line in written if json.loads(line)["step"] < step]
+
+
+def assert_resumed_from(out: Path, step: int, before: list[str]) -> None:
+    """The last start of the run in `out` began at `step` (starts.jsonl), and kept the lines `before` it.
+
+    A resume that silently started again from step 0 rewrites metrics.jsonl and can reproduce an uninterrupted
+    run line for line and bit for bit: comparing with that run alone cannot tell."""
+    started = json.loads((Path(out) / "starts.jsonl").read_text().splitlines()[-1])["step"]
+    assert started == step, f"the resumed run started at step {started}, not at its checkpoint's {step}"
+    kept = (Path(out) / "metrics.jsonl").read_text().splitlines(keepends=True)[:len(before)]
+    assert kept == before, "the resumed run rewrote the lines of metrics.jsonl written before its checkpoint"
 
 
 def last_json_line(stdout: str) -> dict:
@@ -291,3 +334,252 @@ def two_hosts():
 def _delete_namespaces(hosts: list[Host]) -> None:
     for host in hosts:  # deleting a namespace deletes its end of the veth pair, and with it the other end
         subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)
+
+
+class CropFinder:
+    """Which training image, crop offset and mirroring an augmented model input shows, found from its pixels: a
+    table of every zero-padded crop of every training image, and its mirror image. Meant for a few dozen noise
+    images (synthetic data), where each crop is unique; a random crop + flip of (seed, epoch, index) or of a
+    DataLoader worker's random state is then observed in what the model received, not in how it was drawn."""
+
+    def __init__(self, images, mean, std, padding: int) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        self.mean, self.std = mean.cpu().view(1, -1, 1, 1), std.cpu().view(1, -1, 1, 1)
+        images = images.cpu()
+        side, offsets = images.shape[-1], range(2 * padding + 1)
+        padded = F.pad(images, (padding,) * 4)
+        draws = [(top, left, flip) for top in offsets for left in offsets for flip in (False, True)]
+        crops = [padded[..., top:top + side, left:left + side].flip(-1) if flip else
+                 padded[..., top:top + side, left:left + side] for top, left, flip in draws]
+        rows = torch.stack(crops).flatten(2).numpy()  # (draw, image, pixels)
+        self.table = {rows[d, index].tobytes(): [index, *draw] for d, draw in enumerate(draws)
+                      for index in range(len(images))}
+
+    def __call__(self, inputs) -> list[list | None]:
+        """[index, top, left, flip] for each normalised model input of a batch; None where no crop matches."""
+        import torch
+
+        pixels = ((inputs.detach().float().cpu() * self.std + self.mean) * 255).round().clamp(0, 255)
+        return [self.table.get(image.to(torch.uint8).contiguous().numpy().tobytes()) for image in pixels]
+
+
+@contextmanager
+def crops_of_training_batches(into: list):
+    """While inside, each training batch a classification model receives (this process's share) appends
+    [epoch, [[index, top, left, flip] for each image]] to `into`, found by a CropFinder over the training set of
+    an in-memory dataset (on the device or file-backed, data.on_device=false). The run computes what it would."""
+    from accel_train.training import loop
+    from accel_train.workloads.data import InMemoryImages, pad_for
+    from accel_train.workloads.tasks.classification import ClassificationTask
+
+    make_loader, mix_batch, finder = loop.make_loader, ClassificationTask.mix_batch, {}
+
+    def make_loader_and_finder(data, cfg, global_batch, train, *args, **kwargs):
+        if train and isinstance(data.dataset, InMemoryImages):
+            samples = data.dataset
+            finder["crops"] = CropFinder(samples.images, samples.mean, samples.std, pad_for(samples.images.shape[-1]))
+        return make_loader(data, cfg, global_batch, train, *args, **kwargs)
+
+    def record_then_mix(self, batch, epoch, number):
+        if "crops" in finder:
+            into.append([epoch, finder["crops"](batch[0])])
+        return mix_batch(self, batch, epoch, number)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "make_loader", make_loader_and_finder)
+        patch.setattr(ClassificationTask, "mix_batch", record_then_mix)
+        yield into
+
+
+# Every process a test starts ends with the test. Whatever starts it (the helpers above, a test's own subprocess
+# call, a library), a process started through subprocess gets a token in its environment, and its descendants
+# inherit it: a launcher's workers too, though torch's launchers start each worker in a session of its own, so that
+# it outlives a launcher killed at a timeout. When the test's teardown is done, every process that carries a token
+# of that test gets SIGTERM, and SIGKILL `ENDING_GRACE_S` later if it ignores it (a training process handles SIGTERM
+# by saving a checkpoint, and one hung in a collective never gets there).
+TREE = "ACCEL_TRAIN_TEST_TREE"  # the tokens of every test process above (a test's child may run pytest too)
+ENDING_GRACE_S = 3
+_PLAIN_POPEN = subprocess.Popen
+_started: list[tuple[str, subprocess.Popen]] = []  # (token, process) of each start since end_started() last ran
+
+
+class ProcessesLeftRunning(UserWarning):
+    pass
+
+
+class _TrackedPopen(subprocess.Popen):
+    def __init__(self, args, *positional, env=None, **kwargs):
+        token = f"{os.getpid()}-{len(_started)}-{random.getrandbits(48):012x}"
+        env = dict(os.environ if env is None else env)
+        env[TREE] = f"{env.get(TREE, '')} {token}".lstrip()
+        super().__init__(args, *positional, env=env, **kwargs)
+        _started.append((token, self))
+
+
+def carrying(tokens: set[str]) -> list:
+    """The live processes whose environment carries one of `tokens` (zombies have none left)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and tokens.intersection(process.environ().get(TREE, "").split()):
+                found.append(process)
+        except psutil.Error:  # gone meanwhile, or another user's
+            pass
+    return found
+
+
+def end_processes(tokens: set[str], grace_s: float = ENDING_GRACE_S) -> list[str]:
+    """SIGTERM to every process that carries one of `tokens`, SIGKILL to those alive `grace_s` later; their
+    command lines. Again while any is found: a launcher may start a worker while it is being ended."""
+    import psutil
+
+    ended = []
+    for _ in range(5):
+        processes = carrying(tokens)
+        if not processes:
+            break
+        for process in processes:
+            try:
+                ended.append(" ".join(process.cmdline()))
+                process.terminate()
+                process.resume()  # a stopped process takes SIGTERM only once it runs again
+            except psutil.Error:
+                pass
+        for process in _still_running(processes, grace_s):
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        _still_running(processes, 10)
+    return ended
+
+
+def _still_running(processes: list, timeout_s: float) -> list:
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for process in processes:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    running.append(process)
+            except psutil.Error:
+                pass
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.05)
+
+
+def end_started() -> None:
+    """End what was started through subprocess since the last call, and say so if any was still running."""
+    ended = end_processes({token for token, _ in _started})
+    for _, process in _started:
+        process.poll()  # reaps the ended processes that were this one's children
+    _started.clear()
+    if ended:
+        warnings.warn(ProcessesLeftRunning(f"{len(ended)} process(es) still running at the end of the test were "
+                                           f"ended: {ended}"), stacklevel=1)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    subprocess.Popen = _TrackedPopen  # subprocess.run and the rest look Popen up in their module when called
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        subprocess.Popen = _PLAIN_POPEN  # outside tests (collection, pytest-xdist's own workers) nothing is tracked
+        end_started()
+
+
+def pytest_sessionfinish(session):
+    end_started()  # a test cut short (Ctrl-C) never reached its teardown
+
+
+# The fast tier (`make test-fast`): the tests not marked `processes`. The mark is derived here from the code a test
+# runs: the test, its fixtures and parameters, and every function and class of tests/ they name, followed through:
+# one that names a way to start a process (subprocess, os.system, fork, pty) starts processes. Code outside tests/
+# is not read: a test whose processes a library starts (torch.compile runs a C++ compiler) carries the mark itself,
+# and a test without the mark that starts a process fails, naming what it started.
+_STARTERS = {id(starter) for starter in (
+    _PLAIN_POPEN, _TrackedPopen, subprocess.run, subprocess.call, subprocess.check_call, subprocess.check_output,
+    subprocess.getoutput, subprocess.getstatusoutput, os.system, os.popen, os.fork, os.forkpty, os.posix_spawn,
+    os.posix_spawnp, os.spawnv, os.spawnve, os.spawnvp, os.spawnvpe, os.spawnl, os.spawnle, os.spawnlp,
+    os.spawnlpe, os.execv, os.execve, os.execvp, os.execvpe, pty.fork, pty.spawn)}
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    seen: set = set()
+    named = [item.obj, *getattr(getattr(item, "callspec", None), "params", {}).values()]
+    named += [fixture.func for name in item.fixturenames
+              for fixture in item._fixtureinfo.name2fixturedefs.get(name, ())]
+    return any(_starts(thing, seen) for thing in named)
+
+
+def _starts(thing, seen: set) -> bool:
+    """Whether `thing` is a way to start a process, or code of tests/ that names one."""
+    if id(thing) in _STARTERS:
+        return True
+    if isinstance(thing, (list, tuple, set, frozenset, dict)):
+        return any(_starts(part, seen) for part in (thing.values() if isinstance(thing, dict) else thing))
+    if isinstance(thing, type) and _in_tests(getattr(sys.modules.get(thing.__module__), "__file__", None)):
+        return any(_starts(member, seen) for member in vars(thing).values())
+    function = inspect.unwrap(getattr(thing, "__func__", thing)) if callable(thing) else None
+    code = getattr(function, "__code__", None)
+    return code is not None and _in_tests(code.co_filename) and _code_starts(code, function.__globals__, seen)
+
+
+def _in_tests(filename: str | None) -> bool:
+    return filename is not None and Path(filename).resolve().is_relative_to(TESTS)
+
+
+def _code_starts(code, namespace: dict, seen: set) -> bool:
+    if code in seen:
+        return False
+    seen.add(code)
+    current = imported = None
+    for instruction in dis.get_instructions(code):
+        operation, name = instruction.opname, instruction.argval
+        if operation in ("LOAD_GLOBAL", "LOAD_NAME"):
+            current = namespace.get(name, getattr(builtins, name, None))
+        elif operation.startswith(("LOAD_FAST", "LOAD_DEREF")) and isinstance(name, str):  # a module imported
+            current = sys.modules.get(name)  # inside the function
+        elif operation == "IMPORT_NAME":
+            current = imported = sys.modules.get(name)
+        elif operation == "IMPORT_FROM":
+            current = getattr(imported, name, None)
+        elif operation in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(current, (types.ModuleType, type)):
+            current = getattr(current, name, None)
+        else:
+            current = None
+        if current is not None and _starts(current, seen):
+            return True
+    return any(_code_starts(const, namespace, seen) for const in code.co_consts if inspect.iscode(const))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by it
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if isinstance(item, pytest.Function) and not item.get_closest_marker("processes") and starts_processes(item):
+            item.add_marker("processes")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    if _started and not item.get_closest_marker("processes"):
+        commands = [" ".join(map(str, process.args)) if isinstance(process.args, list) else str(process.args)
+                    for _, process in _started]
+        pytest.fail(f"{item.nodeid} started {len(commands)} process(es) without the mark `processes`, so it runs in "
+                    f"make test-fast: {commands}. conftest.py derives the mark from the code of tests/ a test runs; "
+                    "where a library starts the processes, mark the test @pytest.mark.processes.", pytrace=False)
+    return result

@@ -5,7 +5,8 @@ the real CLI and loop. The test hooks of the package live here, not in it.
 
 Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process:
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
-- `augment`: a fingerprint of the crop/flip parameters drawn for each augmented batch;
+- `crops` (with PROBE_CROPS=1 too): for each training batch the model received, its epoch and the sample index,
+  crop offsets and flip of each image, found from the pixels (conftest.CropFinder; small noise datasets only);
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses;
 - `eval_sets`: for each evaluation loader (validation, test), the (label, pixel sum) of each of its samples;
@@ -15,12 +16,14 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `meter`: the loss and the skip flag of every optimizer step, as the train-line meter received them;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
-The recorders never change what the run computes: the fingerprint reuses the batch's own keys.
+The recorders never change what the run computes.
 
 Faults:
 - PROBE_NONFINITE=STEP:PROCESS makes that process's loss NaN at optimizer step STEP before backward, so the
   NaN crosses the gradient all-reduce as in life; STEP:PROCESS:grad leaves the loss finite and makes one
-  gradient inf instead.
+  gradient inf instead; STEP:PROCESS:value makes only the loss's value NaN (a NaN constant added to it) and
+  leaves every gradient finite, so nothing non-finite crosses the gradient all-reduce: the other processes
+  learn of it through the guard's own reduction alone.
 - PROBE_OOM_ABOVE=N makes a micro-batch of more than N samples raise the device's out-of-memory error while
   train.micro_batch_size=auto searches (as a GPU with room for N would).
 - PROBE_FSDP_ON_CPU=1: Accelerate forms FSDP only on GPUs (on CPU a FSDP profile trains with DDP); this makes
@@ -42,15 +45,19 @@ import json
 import math
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 
-from accel_train import cli, data, loop
+from accel_train import cli
+from accel_train.training import loop
+from accel_train.workloads import data
+from conftest import crops_of_training_batches
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "augment": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
+record = {"batches": [], "crops": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
 
-_make_loader, _getitems, _crop_flip = loop.make_loader, data.InMemoryImages.__getitems__, data.random_crop_flip
+_make_loader, _getitems = loop.make_loader, data.InMemoryImages.__getitems__
 
 
 def make_loader(dataset, cfg, global_batch, train, *args):
@@ -65,13 +72,6 @@ def getitems(self, indices):
     if getattr(self, "probe_train", False):
         record["batches"].append([int(i) for i in indices])
     return _getitems(self, indices)
-
-
-def random_crop_flip(images, padding, keys):
-    count = min(8, len(keys))
-    ramp = torch.arange(64.0).view(1, 1, 8, 8).expand(count, 1, 8, 8)
-    record["augment"].append(_crop_flip(ramp, 2, keys[:count]).flatten().tolist()[::7])
-    return _crop_flip(images, padding, keys)
 
 
 def record_gradient_allreduce() -> None:
@@ -100,7 +100,7 @@ def record_gradient_allreduce() -> None:
 
 
 def out_of_memory_above(limit: int) -> None:
-    from accel_train import accumulation
+    from accel_train.training import accumulation
 
     try_micro_batch = accumulation.try_micro_batch
 
@@ -116,7 +116,8 @@ def fsdp_on_cpu() -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from accel_train import distributed
+    from accel_train.launch import distributed
+    from accel_train.training import evaluation
 
     make_accelerator = distributed.make_accelerator
 
@@ -126,11 +127,11 @@ def fsdp_on_cpu() -> None:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the profile's FSDP_* variables
         return accelerator
 
-    distributed.make_accelerator = loop.make_accelerator = make_fsdp_accelerator
+    distributed.make_accelerator = loop.make_accelerator = evaluation.make_accelerator = make_fsdp_accelerator
 
 
 def record_dropout_and_meter() -> None:
-    from accel_train.meter import TrainMeter
+    from accel_train.training.meter import TrainMeter
 
     dropout_forward, update = torch.nn.Dropout.forward, TrainMeter.update
     first = {}
@@ -153,8 +154,8 @@ def signals_at(step: int) -> None:
 
     from accelerate import PartialState
 
-    from accel_train.checkpoint import Checkpoints
-    from accel_train.meter import TrainMeter
+    from accel_train.run.checkpoint import Checkpoints
+    from accel_train.training.meter import TrainMeter
 
     update, save, calls = TrainMeter.update, Checkpoints.save, {"steps": 0, "signalled": False}
 
@@ -174,7 +175,7 @@ def signals_at(step: int) -> None:
 
 
 def record_saves() -> None:
-    from accel_train.checkpoint import Checkpoints
+    from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
 
@@ -187,8 +188,8 @@ def record_saves() -> None:
 
 def lr_traces(seed: int) -> dict:
     from accel_train.config import TrainConfig
-    from accel_train.distributed import make_accelerator
-    from accel_train.optim import build_optimizer, build_scheduler
+    from accel_train.launch.distributed import make_accelerator
+    from accel_train.training.optim import build_optimizer, build_scheduler
 
     accelerator = make_accelerator(seed)
     traces = {}
@@ -212,14 +213,14 @@ def lr_traces(seed: int) -> dict:
 def inject_nonfinite(spec: str) -> None:
     from accelerate import PartialState
 
-    from accel_train.tasks import TASKS
+    from accel_train.workloads.tasks import TASKS
 
     try:
         step, process, *where = spec.split(":")
         step, process, where = int(step), int(process), (where or ["loss"])[0]
-        assert where in ("loss", "grad")
+        assert where in ("loss", "grad", "value")
     except (ValueError, AssertionError):
-        sys.exit(f"PROBE_NONFINITE={spec}: expected STEP:PROCESS or STEP:PROCESS:grad")
+        sys.exit(f"PROBE_NONFINITE={spec}: expected STEP:PROCESS, STEP:PROCESS:grad or STEP:PROCESS:value")
     calls = {"steps": 0}
 
     def poisoned(training_step):
@@ -230,6 +231,8 @@ def inject_nonfinite(spec: str) -> None:
                 return terms
             if where == "loss":
                 return {**terms, "loss": terms["loss"] * math.nan}
+            if where == "value":  # the constant has no gradient: backward gives the finite gradients of the loss
+                return {**terms, "loss": terms["loss"] + torch.tensor(math.nan, device=terms["loss"].device)}
             param, fired = next(p for p in model.parameters() if p.requires_grad), []
 
             def infinite_once(grad):  # runs before the all-reduce, like an overflow in this process's backward
@@ -248,7 +251,7 @@ def inject_nonfinite(spec: str) -> None:
 
 
 def crash_after_save(step: int) -> None:
-    from accel_train.checkpoint import Checkpoints
+    from accel_train.run.checkpoint import Checkpoints
 
     save = Checkpoints.save
 
@@ -263,7 +266,7 @@ def crash_after_save(step: int) -> None:
 
 
 def no_process_group() -> None:
-    from accel_train import distributed
+    from accel_train.launch import distributed
 
     distributed.has_accelerator_device = lambda: True
 
@@ -304,13 +307,14 @@ if __name__ == "__main__":
     out = os.environ.get("PROBE_DIR")
     if out:
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
-        loop.make_loader, data.random_crop_flip = make_loader, random_crop_flip
+        loop.make_loader = make_loader
         data.InMemoryImages.__getitems__ = getitems
         record_gradient_allreduce()
         record_saves()
         record_dropout_and_meter()
     try:
-        cli.main(sys.argv[1:])
+        with crops_of_training_batches(record["crops"]) if out and os.environ.get("PROBE_CROPS") else nullcontext():
+            cli.main(sys.argv[1:])
     except SystemExit as exit:
         if exit.code:
             raise

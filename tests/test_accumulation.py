@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from accel_train import data
+from accel_train.workloads import data
 from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume, launch, read_metrics, train_in_process
 
 # 90 samples: 3 optimizer steps of 24 per epoch, with 18 samples left over (3 micro-batches of 6 under
@@ -113,8 +113,8 @@ def test_micro_batch_auto_finds_the_largest_that_fits_and_trains_like_the_full_b
 
 
 def test_micro_batch_auto_says_so_when_not_even_one_sample_fits(tmp_path, monkeypatch):
-    from accel_train import accumulation
     from accel_train.errors import UserError
+    from accel_train.training import accumulation
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")

@@ -24,8 +24,9 @@ import torch
 import yaml
 from test_launch_paths import accelerate, torchrun
 
-from accel_train.checkpoint import list_checkpoints, to_keep
-from accel_train.runs import TIMING, read_starts
+from accel_train.run.checkpoint import list_checkpoints, to_keep
+from accel_train.run.layout import read_starts
+from accel_train.run.records import TIMING
 from conftest import (
     PROBE,
     PROFILES,
@@ -342,7 +343,7 @@ def test_a_checkpoint_of_other_steps_per_epoch_is_refused_naming_what_changed(sm
 
 
 def test_the_exported_model_loads_into_the_plain_model_without_accelerate(reference):
-    code = ("import sys\nfrom safetensors.torch import load_file\nfrom accel_train.models import MnistCNN\n"
+    code = ("import sys\nfrom safetensors.torch import load_file\nfrom accel_train.workloads.models import MnistCNN\n"
             f"MnistCNN(10, (1, 28, 28)).load_state_dict(load_file({str(reference / 'model.safetensors')!r}))\n"
             "print('accelerate loaded' if 'accelerate' in sys.modules else 'plain')")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -372,10 +373,10 @@ class _RunsCode:
 def test_loading_a_checkpoint_never_runs_code_from_it(reference, tmp_path):
     from accelerate import Accelerator
 
-    from accel_train.checkpoint import _load
     from accel_train.config import TrainConfig
-    from accel_train.models import MnistCNN
-    from accel_train.optim import build_optimizer, build_scheduler
+    from accel_train.run.checkpoint import _load
+    from accel_train.training.optim import build_optimizer, build_scheduler
+    from accel_train.workloads.models import MnistCNN
 
     folder = shutil.copytree(checkpoints(reference)[-1][0], tmp_path / "checkpoint")
     marker = tmp_path / "code-ran"

@@ -5,7 +5,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 
 from accel_train.config import DataConfig
-from accel_train.data import Data, InMemoryImages, make_loader, random_crop_flip, sample_keys
+from accel_train.workloads.data import Data, InMemoryImages, make_loader, random_crop_flip, sample_keys
 from conftest import launch, read_metrics
 
 CPU = torch.device("cpu")
@@ -100,19 +100,55 @@ def test_device_path_trains_and_evaluates_like_the_dataloader_path_at_2_processe
     assert eval_device["loss"] == pytest.approx(eval_per_sample["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_not_warn(monkeypatch, processes):
+# (cores this process may use, processes on the machine) -> the workers data.num_workers=auto gives each process
+@pytest.mark.parametrize("cores, processes, workers", [(2, 1, 2), (2, 2, 1), (6, 4, 1), (16, 2, 8), (32, 1, 8)])
+def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_not_warn(monkeypatch, cores,
+                                                                                       processes, workers):
     """data.num_workers=auto: torch warns when a loader has more workers than the cores it sees (the demo on a
-    2-core machine printed that warning three times with the old default of 4)."""
+    2-core machine printed that warning three times with the old default of 4). The cores are faked through
+    os.sched_getaffinity, which both accel-train and torch's warning read."""
     import os
     import warnings
 
-    from accel_train.distributed import dataloader_workers
-
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-    cores = len(os.sched_getaffinity(0))
-    assert DataConfig().num_workers == "auto" and dataloader_workers("auto") == min(8, cores // processes)
+    assert DataConfig().num_workers == "auto"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's "This DataLoader will create N worker processes" fails the test
         loader = make_loader(_images(16), DataConfig(on_device=False), 8, True, CPU)
-        assert loader.num_workers == dataloader_workers("auto") and len(next(iter(loader))[0]) == 8
+    assert loader.num_workers == workers
+    with pytest.warns(UserWarning, match="This DataLoader will create"):  # the check above can see the warning
+        make_loader(_images(16), DataConfig(on_device=False, num_workers=cores + 1), 8, True, CPU)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size(monkeypatch, processes):
+    """What the loop calls at each epoch (start_epoch on Accelerate's prepared loader) reaches the on-device
+    augmentation: a sample's key is a function of (seed, epoch, index), on every process. Accelerate hands the
+    epoch to the dataset itself at 1 process only; at 2, start_epoch alone does."""
+    from accel_train.workloads import data
+
+    drawn, sample_keys = [], data.sample_keys
+
+    def recorded(indices, epoch, seed):
+        keys = sample_keys(indices, epoch, seed)
+        drawn.append(dict(zip(indices.tolist(), keys.tolist())))
+        return keys
+
+    monkeypatch.setattr(data, "sample_keys", recorded)
+    (loader, _) = _loaders(_images(augment=True), batch=12, train=True)
+    keys = {}  # (process, epoch) -> {sample index: key}
+    for rank in range(processes):
+        prepared = prepare_data_loader(loader, CPU, num_processes=processes, process_index=rank, split_batches=True,
+                                       put_on_device=True, use_seedable_sampler=True, data_seed=7)
+        for epoch in (0, 1):
+            drawn.clear()
+            data.start_epoch(prepared, epoch, seed=7)
+            for _ in prepared:
+                pass
+            keys[rank, epoch] = {index: key for batch in drawn for index, key in batch.items()}
+    for rank in range(processes):
+        both = keys[rank, 0].keys() & keys[rank, 1].keys()
+        assert len(both) >= 6 and all(keys[rank, 0][i] != keys[rank, 1][i] for i in both), "crops repeated"
+    merged = [{i: key for rank in range(processes) for i, key in keys[rank, epoch].items()} for epoch in (0, 1)]
+    assert merged == [{i: sample_keys(torch.tensor([i]), epoch, 7).item() for i in merged[epoch]} for epoch in (0, 1)]

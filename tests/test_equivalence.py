@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch, read_metrics
+from conftest import CropFinder, crops_of_training_batches, launch, read_metrics, train_in_process
 
 PROBE = "tests/launched_probe.py"
 STEPS_PER_EPOCH, EPOCHS = 3, 2
@@ -24,11 +24,16 @@ SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96",
 # 50 training samples leave 2 over a global batch of 24; 2 eval samples are fewer than the processes.
 UNEVEN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=50", "data.eval_subset=2", "train.batch_size=24",
           "train.eval_batch_size=4", "train.epochs=2", "train.log_every_steps=1", "train.plot=false"]
+# 2 epochs of 2 steps over 48 of the 50 samples; with no DataLoader worker, per-sample transforms would draw from
+# each process's own reseeded random state: a worker's is what file-backed training uses wherever cores allow one
+AUGMENTED = [*UNEVEN, "data.augment=true", "seed=1"]
+FILE_BACKED = ["data.on_device=false", "data.num_workers=1"]
 
 
-def probe(tmp_path, processes: int, args: list[str]) -> tuple:
+def probe(tmp_path, processes: int, args: list[str], env: dict | None = None) -> tuple:
     out, probes = tmp_path / "run", tmp_path / "probe"
-    launch(processes, "train", *args, f"output_dir={out}", script=PROBE, env={"PROBE_DIR": str(probes)}, timeout=240)
+    launch(processes, "train", *args, f"output_dir={out}", script=PROBE, env={"PROBE_DIR": str(probes), **(env or {})},
+           timeout=240)
     ranks = [json.loads((probes / f"rank{rank}.json").read_text()) for rank in range(processes)]
     return out, ranks
 
@@ -41,7 +46,14 @@ def same_global_batch(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def augmented_uneven(tmp_path_factory):
-    return probe(tmp_path_factory.mktemp("augmented"), 3, [*UNEVEN, "data.augment=true", "seed=1"])
+    """On-device crop/flip at 3 processes; the probe finds each image's crop and flip in the model's input."""
+    return probe(tmp_path_factory.mktemp("augmented"), 3, AUGMENTED, {"PROBE_CROPS": "1"})
+
+
+@pytest.fixture(scope="module")
+def file_backed_augmented(tmp_path_factory):
+    """The same with per-sample transforms in one DataLoader worker a process (data.on_device=false)."""
+    return probe(tmp_path_factory.mktemp("file_backed"), 2, [*AUGMENTED, *FILE_BACKED], {"PROBE_CROPS": "1"})
 
 
 def global_batches(ranks: list[dict]) -> list[list[int]]:
@@ -112,8 +124,8 @@ def test_shuffling_is_a_function_of_seed_and_epoch():
     from torch.utils.data import TensorDataset
 
     from accel_train.config import DataConfig
-    from accel_train.data import Data, make_loader
-    from accel_train.distributed import make_accelerator
+    from accel_train.launch.distributed import make_accelerator
+    from accel_train.workloads.data import Data, make_loader
 
     def order(seed: int, epoch: int) -> list[int]:
         accelerator = make_accelerator(seed)
@@ -128,11 +140,68 @@ def test_shuffling_is_a_function_of_seed_and_epoch():
     assert order(0, 0) != order(1, 0)
 
 
+def crops_received(ranks: list[dict]) -> list[list]:
+    """Per process, per training batch: [epoch, [[sample index, top, left, flip] of each image]], as the probe
+    found them in the pixels the model received (conftest.CropFinder)."""
+    batches = [rank["crops"] for rank in ranks]
+    assert all(len(rank) == 4 for rank in batches), "2 epochs of 2 steps on every process"
+    assert all(image is not None for rank in batches for _, images in rank for image in images), \
+        "a model input that is no crop of a training image"
+    return batches
+
+
+def assert_processes_draw_differently(batches: list[list]) -> None:
+    """At each step, each process's images (its share of the global batch) are cropped and flipped otherwise than
+    any other process's, image for image: not one random stream replayed on every process."""
+    for step, shares in enumerate(zip(*batches), start=1):
+        draws = {json.dumps([draw for _, *draw in images]) for _, images in shares}
+        assert len(draws) == len(shares), f"step {step}: two processes drew the same crops and flips, image for image"
+
+
 def test_augmentation_randomness_differs_between_processes(augmented_uneven):
-    _, ranks = augmented_uneven
-    first_batches = [rank["augment"][0] for rank in ranks]
-    assert len({json.dumps(draws) for draws in first_batches}) == 3, "two processes drew the same crops and flips"
-    assert ranks[0]["augment"][0] != ranks[0]["augment"][1], "a process drew the same crops for two batches"
+    """On the device, a crop and flip is a function of (seed, epoch, sample index): processes, which hold other
+    samples, draw differently; a sample draws the same at 3 processes as at 1 (this process); another epoch or
+    seed draws anew. Read from the pixels the model received, so a draw that is not applied fails too."""
+    from accel_train.config import load_config
+    from accel_train.workloads.data import build_dataset, pad_for
+
+    batches = crops_received(augmented_uneven[1])
+    assert_processes_draw_differently(batches)
+    received = {(epoch, index): draw for rank in batches for epoch, images in rank for index, *draw in images}
+    dataset = build_dataset(load_config(AUGMENTED[0], AUGMENTED[1:]).data, train=True).dataset
+    finder = CropFinder(dataset.images, dataset.mean, dataset.std, pad_for(dataset.images.shape[-1]))
+
+    def drawn_here(epoch: int, seed: int, indices: list[int]) -> list[list]:
+        dataset.set_epoch(epoch, seed)
+        return [draw for _, *draw in finder(dataset.__getitems__(indices)[0])]
+
+    for epoch in (0, 1):
+        indices = sorted(index for seen, index in received if seen == epoch)
+        launched = [received[epoch, index] for index in indices]
+        assert len(indices) == 48 and launched == drawn_here(epoch, 1, indices), f"epoch {epoch}: not as at 1 process"
+        same = sum(ours == theirs for ours, theirs in zip(launched, drawn_here(epoch, 0, indices)))
+        assert same < len(indices) / 4, f"epoch {epoch}: seeds 1 and 0 drew {same} of {len(indices)} samples alike"
+    both = [index for seen, index in received if seen == 0 and (1, index) in received]
+    same = sum(received[0, index] == received[1, index] for index in both)
+    assert len(both) >= 40 and same < len(both) / 4, f"epochs 0 and 1 drew {same} of {len(both)} samples alike"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 29: file-backed augmentation is not keyed by seed: every DataLoader gets "
+                          "torch.Generator().manual_seed(0), so DataLoader workers draw the same crops and flips on "
+                          "every process and for every seed")
+def test_file_backed_augmentation_differs_between_processes_and_seeds(file_backed_augmented, tmp_path):
+    """data.on_device=false: torchvision's per-sample crop and flip in DataLoader workers are no function of the
+    sample, but each process must augment its share with its own draws, and another seed must draw anew."""
+    assert_processes_draw_differently(crops_received(file_backed_augmented[1]))
+    by_seed = {}
+    for seed in (0, 1):
+        with crops_of_training_batches([]) as batches:
+            train_in_process(*AUGMENTED, *FILE_BACKED, "train.max_steps=1", f"seed={seed}",
+                             f"output_dir={tmp_path / str(seed)}")
+        assert len(batches) == 1 and None not in batches[0][1]
+        by_seed[seed] = [draw for _, *draw in batches[0][1]]
+    assert by_seed[0] != by_seed[1], "seeds 0 and 1 drew the same crops and flips, image for image"
 
 
 def test_uneven_dataset_sizes_train_and_evaluate_without_crash_or_hang(same_global_batch, augmented_uneven):

@@ -11,9 +11,18 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from accel_train.models import MnistCNN
-from accel_train.runs import TIMING
-from conftest import PROBE, evaluate_in_process, launch, read_metrics, train_in_process
+from accel_train.run.records import TIMING
+from accel_train.workloads.models import MnistCNN
+from conftest import (
+    PROBE,
+    assert_resumed_from,
+    evaluate_in_process,
+    launch,
+    metrics_lines_before,
+    newest_checkpoint_step,
+    read_metrics,
+    train_in_process,
+)
 
 # 96 samples = 4 steps of 24 per epoch, 2 epochs; 101 eval samples split evenly across neither 2 nor 3.
 RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=101", "model.dropout=false",
@@ -58,8 +67,13 @@ def test_the_fsdp_export_loads_into_the_plain_model_and_evaluates_the_same(runs)
 def test_fsdp_resume_after_a_crash_mid_epoch_equals_the_uninterrupted_run(runs, tmp_path):
     out = tmp_path / "resumed"
     crashed = fsdp(f"output_dir={out}", env={"PROBE_CRASH_AFTER_SAVE": "6"}, check=False)
-    assert crashed.returncode != 0
-    fsdp(f"output_dir={out}", "resume=auto")
+    # It died right after the checkpoint of step 6 (not at start-up, which would leave nothing to resume)
+    assert crashed.returncode != 0 and newest_checkpoint_step(out) == 6, crashed.stderr[-3000:]
+    assert [line["step"] for line in read_metrics(out, "train")] == list(range(1, 7))
+    before = metrics_lines_before(out, 6)
+    resumed = fsdp(f"output_dir={out}", "resume=auto")
+    assert_resumed_from(out, 6, before)
+    assert f"resuming from {out / 'checkpoints' / 'step-00000006'}: step 6" in resumed.stdout, resumed.stdout
     lines = [[{k: v for k, v in line.items() if k not in TIMING}
               for line in read_metrics(folder, "train")] for folder in (out, runs / "fsdp")]
     assert lines[0] == lines[1]

@@ -14,7 +14,7 @@ import pytest
 from test_launch_paths import RUN, accelerate, check_path
 
 from accel_train.errors import LaunchError
-from accel_train.launch import JOIN_TIMEOUT_S, split_arguments
+from accel_train.launch.command import JOIN_TIMEOUT_S, split_arguments
 from conftest import PROFILES, PYTHON, REPO, _env, free_port, train_in_process
 
 APART_S = 8  # well past the time a launch takes to start here

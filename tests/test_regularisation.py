@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from accel_train.config import load_config
 from accel_train.errors import UserError
-from accel_train.models import BatchNormCNN, MnistCNN
-from accel_train.optim import build_optimizer
+from accel_train.training.optim import build_optimizer
+from accel_train.workloads.models import BatchNormCNN, MnistCNN
 from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume, launch, read_metrics, train_in_process
 
 # 48 samples: 2 optimizer steps of 24 per epoch; 101 eval samples.
@@ -37,8 +37,8 @@ def test_biases_and_normalisation_weights_get_no_weight_decay_unless_asked():
 
 
 def test_label_smoothing_is_cross_entropys_own_and_leaves_the_eval_loss_plain():
-    from accel_train.data import Data
-    from accel_train.tasks import task_named
+    from accel_train.workloads.data import Data
+    from accel_train.workloads.tasks import task_named
 
     task = task_named("classification")
     task.setup(load_config("mnist_cnn", ["train.label_smoothing=0.1"]), Data(None, 10, (1, 28, 28)))
@@ -77,7 +77,7 @@ def test_resume_with_the_ema_on_equals_the_uninterrupted_run(tmp_path, monkeypat
 
 
 def test_mixing_is_a_function_of_seed_epoch_and_batch_number_and_pairs_neighbouring_samples():
-    from accel_train.mixing import BatchMixer
+    from accel_train.workloads.mixing import BatchMixer
 
     images, labels = torch.rand(6, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4, 5])
     mixup = BatchMixer(6, seed=0, mixup_alpha=0.4, cutmix_alpha=0.0)
@@ -111,8 +111,8 @@ def test_mixing_is_a_function_of_seed_epoch_and_batch_number_and_pairs_neighbour
 
 
 def test_mixing_needs_class_labels_and_file_backed_augmentation_needs_per_sample_transforms():
-    from accel_train.tasks import task_named
-    from accel_train.tasks.base import check_mixing
+    from accel_train.workloads.tasks import task_named
+    from accel_train.workloads.tasks.base import check_mixing
 
     with pytest.raises(UserError, match="task=vae does not mix"):
         check_mixing(task_named("vae"), load_config("mnist_vae", ["train.mixup_alpha=0.2"]))
@@ -131,7 +131,7 @@ def test_mixing_needs_class_labels_and_file_backed_augmentation_needs_per_sample
 def test_trivial_augment_and_random_erasing_run_on_file_backed_training_images_only(tmp_path):
     from torchvision.transforms import v2
 
-    from accel_train.data import InMemoryImages, PerSampleImages, _imagefolder_transform
+    from accel_train.workloads.data import InMemoryImages, PerSampleImages, _imagefolder_transform
 
     config = load_config("imagefolder", ["data.trivial_augment=true", "data.random_erasing=0.25"])
     train, evaluation = (_imagefolder_transform(config.data, train) for train in (True, False))
@@ -144,7 +144,7 @@ def test_trivial_augment_and_random_erasing_run_on_file_backed_training_images_o
 
 
 def test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented():
-    from accel_train.data import Data, InMemoryImages, hold_out_validation
+    from accel_train.workloads.data import Data, InMemoryImages, hold_out_validation
 
     images = torch.arange(50, dtype=torch.uint8).view(50, 1, 1, 1).expand(50, 1, 4, 4)
     data = Data(InMemoryImages(images, torch.arange(50) % 10, (0.5,), (0.5,), augment=True), 10, (1, 4, 4))
@@ -173,7 +173,7 @@ def _image_folder(root, splits, classes=("cat", "dog"), per_class=3):
 
 
 def test_an_imagefolder_val_folder_beside_test_is_the_validation_split(tmp_path):
-    from accel_train.data import build_dataset, hold_out_validation
+    from accel_train.workloads.data import build_dataset, hold_out_validation
 
     _image_folder(tmp_path, ("train", "val", "test"))
     cfg = load_config("imagefolder", [f"data.root={tmp_path}"]).data
@@ -203,7 +203,7 @@ def test_model_best_holds_the_weights_of_the_best_validation_step_and_loads_into
 
 
 def test_the_selection_state_counts_evaluations_without_improvement_and_survives_a_checkpoint():
-    from accel_train.selection import ModelSelection, Watched
+    from accel_train.training.selection import ModelSelection, Watched
 
     watched = Watched("loss", "min", min_delta=0.1)
     assert [watched.improves(value) for value in (1.0, 0.95, 0.8, 0.85)] == [True, False, True, False]

@@ -104,18 +104,19 @@ def test_the_run_records_when_where_and_how_it_started_and_when_each_line_was_wr
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
 
 
-@pytest.mark.parametrize("args, says", [
-    (["eval"], "eval needs a run: accel-train eval RUN"),
-    (["eval", "mnist_cnn"], "eval mnist_cnn needs checkpoint=PATH"),
-    (["eval", "{tmp}/runs/typo"], "runs/typo: no such run folder (nor a shipped recipe)"),
-    (["predict", "{run}"], "predict needs input=PATH"),
-    (["eval", "checkpoint={tmp}"], "has no config.yaml in its run folder to say how it was trained: pass the recipe"),
-    (["eval", "checkpoint={tmp}/nothing"], "no such file or folder"),
-    (["eval", "{run}", "split=train"], "split=train: choose test or val"),
-    (["eval", "{run}", "split=val"], "was trained without a validation split"),
+# README's exit codes: 2 a usage or config mistake, 3 a file or folder that is not there
+@pytest.mark.parametrize("args, code, says", [
+    (["eval"], 2, "eval needs a run: accel-train eval RUN"),
+    (["eval", "mnist_cnn"], 2, "eval mnist_cnn needs checkpoint=PATH"),
+    (["eval", "{tmp}/runs/typo"], 3, "runs/typo: no such run folder (nor a shipped recipe)"),
+    (["predict", "{run}"], 2, "predict needs input=PATH"),
+    (["eval", "checkpoint={tmp}"], 2, "has no config.yaml in its run folder to say how it was trained: pass the"),
+    (["eval", "checkpoint={tmp}/nothing"], 3, "no such file or folder"),
+    (["eval", "{run}", "split=train"], 2, "split=train: choose test or val"),
+    (["eval", "{run}", "split=val"], 2, "was trained without a validation split"),
 ])
-def test_eval_and_predict_say_what_is_missing(run, tmp_path, capsys, args, says):
+def test_eval_and_predict_say_what_is_missing(run, tmp_path, capsys, args, code, says):
     with pytest.raises(SystemExit) as stop:
         main([arg.format(run=run, tmp=tmp_path) for arg in args])
     err = capsys.readouterr().err
-    assert stop.value.code in (2, 3) and says in err, err
+    assert stop.value.code == code and says in err, (stop.value.code, err)

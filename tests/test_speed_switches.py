@@ -1,12 +1,14 @@
 """Contract of train.compile and train.channels_last: they change speed, never what a model computes or exports."""
 
+import pytest
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from accel_train.models import BatchNormCNN, tune_for_device
+from accel_train.workloads.models import BatchNormCNN, tune_for_device
 
 
+@pytest.mark.processes  # torch.compile's inductor runs the C++ compiler: not for the fast tier
 def test_a_compiled_channels_last_model_computes_the_same_and_exports_the_same_weights_under_the_same_names(tmp_path):
     torch.manual_seed(0)
     plain = BatchNormCNN(10, (1, 28, 28))

@@ -8,10 +8,11 @@ from collections import Counter
 import pytest
 import torch
 
-from accel_train.checkpoint import Checkpoints, ResumePoint, resume_position
 from accel_train.config import load_config
-from accel_train.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
-from accel_train.run_folder import lines_up_to
+from accel_train.launch.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
+from accel_train.run.checkpoint import Checkpoints, ResumePoint, resume_position
+from accel_train.run.writer import lines_up_to
+from conftest import read_metrics, train_in_process
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 # Samplers draw batch indices on the host by design (a CPU generator, never a device value).
@@ -23,7 +24,7 @@ def host_reads(monkeypatch):
     """Counts host reads of tensor values per optimizer step; evaluation is counted apart (it may read)."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    from accel_train import loop
+    from accel_train.training import loop
 
     where = {"step": 0, "evaluating": False}
     reads = Counter()
@@ -70,7 +71,7 @@ def host_reads(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_reads, tmp_path, policy):
-    from accel_train import loop
+    from accel_train import api
 
     # 10 steps per epoch: an epoch end (evaluation follows) at step 10, which is not a log step
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=120", "data.eval_subset=20",
@@ -79,7 +80,7 @@ def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_
                                        f"train.on_nonfinite={policy}", "train.clip_grad_norm=1.0",
                                        f"output_dir={tmp_path}"])
     host_reads.clear()
-    loop.train(config)
+    api.train(config)
     log_steps, epoch_ends = {4, 8, 12, 16, 17}, {10, 17}
     per_step = {step: count for step, count in host_reads.items() if step != "eval" and step > 0}
     assert set(per_step) <= log_steps | epoch_ends, f"host reads outside log steps and epoch ends: {per_step}"
@@ -144,7 +145,7 @@ def test_processes_agree_on_a_stop_signal_about_every_two_seconds_of_steps():
 def test_the_train_meter_state_round_trips_bit_for_bit():
     from accelerate import Accelerator
 
-    from accel_train.meter import TrainMeter
+    from accel_train.training.meter import TrainMeter
 
     accelerator = Accelerator(cpu=True)
     meter = TrainMeter(accelerator, global_batch=8)
@@ -161,10 +162,32 @@ def test_the_train_meter_state_round_trips_bit_for_bit():
     assert ours["loss"] == pytest.approx((0.1 + 0.7 + 1 / 3 + 0.25) / 4)  # the skipped NaN step is left out
 
 
+def test_a_checkpoint_restores_every_stateful_part_by_name_and_one_of_the_previous_layout_too(tmp_path):
+    from accel_train.run.checkpoint import _read_loop_state
+    from accel_train.run.progress import Progress
+
+    meta = {"step": 12, "epoch": 1, "metrics": {"accuracy": 0.5}}
+    progress = Progress(steps_per_epoch=10, total_steps=30, step=12, last_eval={"accuracy": 0.5})
+    saved = {"progress": progress.state_dict(), "meter": {"names": ["loss"], "sums": [1.5], "counted": 2.0},
+             "selection": {"best": None, "early_stop": None, "stopped": False}}
+    (tmp_path / "loop_state_0.json").write_text(json.dumps(saved))
+    assert _read_loop_state(tmp_path, 0, meta) == json.loads(json.dumps(saved))
+    restored = Progress(steps_per_epoch=10, total_steps=30)
+    restored.load_state_dict(_read_loop_state(tmp_path, 0, meta)["progress"])
+    assert (restored.step, restored.last_eval) == (12, {"accuracy": 0.5})
+    assert restored.elapsed_before_s == pytest.approx(saved["progress"]["elapsed_s"])
+    # Before the parts had names, the meter's sums stood at the top level and the progress in checkpoint.json.
+    (tmp_path / "loop_state_0.json").write_text(json.dumps({**saved["meter"], "selection": saved["selection"],
+                                                            "elapsed_s": 7.5}))
+    assert _read_loop_state(tmp_path, 0, meta) == {
+        "meter": saved["meter"], "selection": saved["selection"],
+        "progress": {"step": 12, "last_eval": {"accuracy": 0.5}, "elapsed_s": 7.5}}
+
+
 def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(monkeypatch):
     from accelerate import Accelerator
 
-    from accel_train import meter as meter_module
+    from accel_train.training import meter as meter_module
 
     clock = {"now": 100.0}
     monkeypatch.setattr(meter_module.time, "perf_counter", lambda: clock["now"])
@@ -175,3 +198,41 @@ def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(m
         with meter.paused():  # an evaluation and a checkpoint: 10 s that trained nothing
             clock["now"] += 2.5
     assert meter.compute()["samples_per_s"] == pytest.approx(4 * 32 / 2.0)
+
+
+def test_samples_per_s_of_a_training_run_leaves_out_its_evaluations_and_checkpoints(tmp_path, monkeypatch):
+    """The loop, not only the meter: every evaluation and every checkpoint of this run costs 1000 s on the meter's
+    clock (the clock is moved, nothing sleeps), and each train line's interval holds both. A line that counted
+    them would report at most 4 steps x 12 samples / 1000 s."""
+    import time
+    from types import SimpleNamespace
+
+    from accel_train.training import loop, meter
+
+    lost, saved_at = {"s": 0.0}, []
+    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + lost["s"]))
+    evaluate, save = loop.evaluate, Checkpoints.save
+
+    def slow_evaluate(accelerator, model, task, loader, *args, **kwargs):
+        lost["s"] += 1000
+        return evaluate(accelerator, model, task, loader, *args, **kwargs)
+
+    def slow_save(self, progress, *args, **kwargs):
+        lost["s"] += 1000
+        saved_at.append(progress.step)
+        return save(self, progress, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    monkeypatch.setattr(Checkpoints, "save", slow_save)
+    # 8 steps per epoch, 2 epochs: train lines at 4, 8, 12, 16; evaluations at 3, 6, 8, 9, 12, 15, 16; saves every 2
+    train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=12",
+                     "train.batch_size=12", "train.eval_batch_size=12", "train.epochs=2", "train.log_every_steps=4",
+                     "train.eval_every_steps=3", "checkpoint.every_steps=2", "train.plot=false",
+                     f"output_dir={tmp_path}")
+    lines = read_metrics(tmp_path, "train")
+    evaluated_at = [line["step"] for line in read_metrics(tmp_path, "test")]
+    assert [line["step"] for line in lines] == [4, 8, 12, 16]
+    for start in (0, 4, 8, 12):  # what happens at a line's step comes after the line: it counts towards the next
+        assert any(start <= step < start + 4 for step in evaluated_at), (start, evaluated_at)
+        assert any(start <= step < start + 4 for step in saved_at), (start, saved_at)
+    assert all(line["samples_per_s"] > 1.0 for line in lines), [line["samples_per_s"] for line in lines]

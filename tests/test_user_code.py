@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
-from accel_train.runs import TIMING
+from accel_train.run.records import TIMING
 from conftest import (
     PYTHON,
     REPO,
@@ -35,7 +35,7 @@ EXAMPLES = REPO / "examples"
 
 def checked(*overrides: str):
     """What a run checks before any data loads, in this process; the config it checked."""
-    from accel_train.tasks import task_named
+    from accel_train.workloads.tasks import task_named
 
     config = load_config(USER_RECIPE, list(overrides))
     task_named(config.task).check_config(config)
@@ -70,8 +70,8 @@ def test_an_import_path_mistake_is_named_in_one_line_before_any_data_loads(overr
                                                                      "(input tensor, integer label)"]),
 ])
 def test_what_user_code_returns_is_checked_where_it_is_called(overrides, words):
-    from accel_train.data import build_dataset
-    from accel_train.tasks import task_named
+    from accel_train.workloads.data import build_dataset
+    from accel_train.workloads.tasks import task_named
 
     config = checked(*overrides)
     task = task_named(config.task)
@@ -92,7 +92,7 @@ def test_an_import_path_mistake_on_the_command_line_exits_2_in_one_line(tmp_path
 
 
 def test_modules_are_found_in_the_current_directory(tmp_path, monkeypatch):
-    from accel_train.imports import import_object
+    from accel_train.import_paths import import_object
 
     (tmp_path / "here_models.py").write_text("from torch import nn\nNet = nn.Linear\n")
     monkeypatch.chdir(tmp_path)
@@ -180,6 +180,55 @@ def test_a_user_model_resumes_exactly(tmp_path, monkeypatch):
     # step 8: epoch 0, in the middle of the train line at step 9
     crash_after_checkpoint_then_resume(monkeypatch, 8, recipe, *run, f"output_dir={tmp_path / 'resumed'}")
     assert_same_run(tmp_path / "resumed", tmp_path / "reference")
+
+
+EDITED_NET = """import torch
+from torch import nn
+
+WIDTH = {width}  # the user's edit between two runs: nothing in the config says so
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, image_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(image_shape).prod()), WIDTH), nn.ReLU(),
+                                 nn.Linear(WIDTH, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+"""
+
+
+def test_a_checkpoint_whose_tensors_no_longer_fit_the_users_model_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The same config, a model file edited since the save: only the checkpoint's tensor shapes can tell, and the
+    resume says which tensor differs before loading anything (exit 2, one line, no traceback)."""
+    import importlib
+    import sys
+
+    from accel_train.cli import main
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the recipe's folder joins sys.path for this test only
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # the edited file is read again, not a cached .pyc
+    module = tmp_path / "edited_net.py"
+    module.write_text(EDITED_NET.format(width=8))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("base: mnist_cnn\nmodel:\n  name: edited_net:Net\n")
+    run = ["train", str(recipe), "data.synthetic=true", "data.train_subset=24", "data.eval_subset=10",
+           "train.batch_size=12", "train.max_steps=2", "checkpoint.every_steps=1", "train.plot=false",
+           f"output_dir={tmp_path / 'run'}"]
+    train_in_process(*run[1:])
+    module.write_text(EDITED_NET.format(width=16))
+    monkeypatch.delitem(sys.modules, "edited_net")  # as the next command's new process would import it
+    importlib.invalidate_caches()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main([*run, "resume=auto"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    (line,) = err.splitlines()
+    assert line.startswith("accel-train: error: resume: ") and "step-00000002 does not fit model.name=edited_net:Net" \
+        in line and "net.1.bias has shape [8] there, [16] here" in line, line
 
 
 # --- the examples, at 1 and 2 processes ---------------------------------------------------------------------
@@ -288,6 +337,34 @@ def test_predict_writes_one_row_per_file_identically_at_1_and_2_processes(image_
         assert 1 >= float(score) >= float(score_2) >= 0
 
 
+def test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file(image_run):
+    """Each row is the model's output for the file the row names: not its neighbour's in the batch or the sort."""
+    import accel_train
+    from accel_train.workloads.data import Data, image_converter, load_image
+    from accel_train.workloads.tasks import task_named
+
+    settings = [*IMAGE_RUN, "predict.top_k=3", "predict.batch_size=4"]  # 13 files: batches of 4, 4, 4 and 1
+    rows = accel_train.predict("imagefolder", image_run / "run", image_run / "inputs", settings)
+    config = load_config("imagefolder", settings)
+    convert, shape = image_converter(config.data)
+    task, described = task_named(config.task), Data(None, len(CLASSES), shape, list(CLASSES))
+    task.setup(config, described)
+    model = task.build_model(config, described)
+    model.load_state_dict(load_file(str(image_run / "run" / "model.safetensors")))
+    model.eval()
+    files = sorted(str(path) for path in (image_run / "inputs").rglob("*.*"))
+    assert [row["path"] for row in rows] == files
+    own = []
+    for row in rows:
+        with torch.no_grad():  # the file alone, through the plain model
+            probabilities = model(convert(load_image(row["path"]))[None]).softmax(-1)[0]
+        scores, labels = probabilities.sort(descending=True)
+        assert row["labels"] == [CLASSES[label] for label in labels.tolist()], row["path"]
+        assert row["scores"] == pytest.approx(scores.tolist(), rel=1e-4, abs=1e-6), row["path"]
+        own.append(scores.tolist())
+    assert len({json.dumps(scores) for scores in own}) == len(files)  # the rows tell the files apart
+
+
 def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run, tmp_path):
     import accel_train
 
@@ -306,7 +383,7 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
         accel_train.predict("imagefolder", run, broken, settings)
     with pytest.raises(UserError, match="data.name=user_models:points \\(trained with imagefolder\\)"):
         accel_train.predict(USER_RECIPE, run, broken, ["data.name=user_models:points"])
-    from accel_train.prediction import predict  # past the run's check: a recipe whose data are not images
+    from accel_train.training.prediction import predict  # past the run's check: a recipe whose data are not images
 
     with pytest.raises(UserError, match="predict reads image files"):
         predict(load_config(USER_RECIPE, ["data.name=user_models:points"]), str(run), str(broken))
@@ -314,7 +391,7 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
 
 def test_predict_converts_an_image_as_the_recipes_eval_data_is(tmp_path):
     """Grayscale 28 px for MNIST, whatever the file: the file's pixels reach the model as an eval sample's do."""
-    from accel_train.data import build_dataset, image_converter
+    from accel_train.workloads.data import build_dataset, image_converter
 
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.eval_subset=3"])
     convert, shape = image_converter(config.data)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from accel_train.checkpoint import list_checkpoints
+from accel_train.run.checkpoint import list_checkpoints
 from conftest import (
     PROBE,
     last_json_line,
@@ -91,6 +91,25 @@ def test_nonfinite_loss_on_one_process_stops_every_process_at_that_step(tmp_path
     assert saved_steps(tmp_path) == [1, 2] and not (tmp_path / "model.safetensors").exists()
 
 
+def test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step(tmp_path):
+    # Only process 1's loss value is NaN; its gradients stay finite, so the gradient all-reduce carries nothing
+    # non-finite to process 0: it learns of the step through the guard's own reduction alone. Without that
+    # reduction the processes disagree (one stops, the other trains on): collective_timeout_s bounds the wait.
+    started = time.monotonic()
+    result = launch(2, "train", "mnist_vae", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP,
+                    "train.collective_timeout_s=20", script=PROBE, env={"PROBE_NONFINITE": "2:1:value"}, timeout=120,
+                    check=False)
+    assert time.monotonic() - started < 60, "the processes did not stop together"
+    assert result.returncode != 0
+    reports = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert len(reports) == 1, result.stderr[-3000:]
+    assert "non-finite" in reports[0] and "at step 2" in reports[0], reports[0]
+    process_1 = reports[0].split("process 1: ")[1]
+    assert process_1.startswith("loss=nan") and "grad_norm=nan" not in process_1 and "grad_norm=inf" not in process_1
+    assert [line["step"] for line in read_metrics(tmp_path, "train")] == [1]
+    assert saved_steps(tmp_path) == [1] and not (tmp_path / "model.safetensors").exists()
+
+
 def test_an_inf_gradient_with_a_finite_loss_stops_every_process_too(tmp_path):
     result = launch(2, "train", "mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, *EVERY_STEP, script=PROBE,
                     env={"PROBE_NONFINITE": "2:1:grad"}, timeout=120, check=False)
@@ -108,6 +127,39 @@ def test_nonfinite_stop_exits_5_and_saves_nothing_after_the_step_before(tmp_path
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("accel-train: error: non-finite loss or gradient norm at step 2")
     assert saved_steps(tmp_path) == [1] and not (tmp_path / "model.safetensors").exists()
+
+
+def nan_loss_at(monkeypatch, step: int) -> None:
+    """The classification loss turns NaN at optimizer step `step` (in this process; no accumulation)."""
+    from accel_train.workloads.tasks import TASKS
+
+    task = TASKS.get("classification")
+    training_step, calls = task.training_step, {"steps": 0}
+
+    def poisoned(self, model, batch):
+        terms = training_step(self, model, batch)
+        calls["steps"] += 1
+        return {**terms, "loss": terms["loss"] * math.nan} if calls["steps"] == step else terms
+
+    monkeypatch.setattr(task, "training_step", poisoned)
+
+
+# 4 steps, a train line at the last only: the non-finite step 2 falls between train lines, right before a
+# checkpoint (a save every step) or an evaluation (every 2 steps), and only the guard's check there stops it.
+@pytest.mark.parametrize("boundary", [["checkpoint.every_steps=1", "checkpoint.keep_last=10"],
+                                      ["train.eval_every_steps=2", "checkpoint.at_epoch_end=false"]],
+                         ids=["checkpoint", "evaluation"])
+def test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation(
+        tmp_path, monkeypatch, boundary):
+    from accel_train.errors import NonFiniteError
+
+    nan_loss_at(monkeypatch, 2)
+    with pytest.raises(NonFiniteError) as stopped:
+        train_in_process("mnist_cnn", f"output_dir={tmp_path}", *SYNTHETIC, "train.batch_size=12", "train.max_steps=4",
+                         "train.log_every_steps=100", *boundary)
+    assert "at step 2" in str(stopped.value) and "every process stopped without applying" in str(stopped.value)
+    assert saved_steps(tmp_path) == ([1] if "checkpoint.every_steps=1" in boundary else [])
+    assert read_metrics(tmp_path, "test") == [] and not (tmp_path / "model.safetensors").exists()
 
 
 def test_on_nonfinite_skip_leaves_the_weights_of_the_skipped_step_untouched_and_trains_on(tmp_path):
@@ -132,7 +184,7 @@ def test_a_malformed_fault_injection_value_is_one_line_not_a_traceback(variable,
 
 def test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_global_rng():
     from accel_train.config import load_config
-    from accel_train.tasks.vae import VAE_MODELS, VAETask
+    from accel_train.workloads.tasks.vae import VAE_MODELS, VAETask
 
     task, config = VAETask(), load_config("mnist_vae", ["seed=7"])
     task.setup(config, None)
@@ -149,7 +201,7 @@ def test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_gl
 def test_clip_grad_norm_returns_the_norm_before_clipping_and_0_leaves_gradients_alone():
     from accelerate import Accelerator
 
-    from accel_train.guard import clip_gradients
+    from accel_train.training.guard import clip_gradients
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(3, 1, bias=False)
@@ -162,7 +214,7 @@ def test_clip_grad_norm_returns_the_norm_before_clipping_and_0_leaves_gradients_
 def test_vae_refuses_standardised_pixels_before_any_work():
     from accel_train.config import load_config
     from accel_train.errors import UserError
-    from accel_train.tasks import TASKS
+    from accel_train.workloads.tasks import TASKS
 
     with pytest.raises(UserError, match="data.normalize=false"):
         TASKS.get("vae")().check_config(load_config("mnist_vae", ["data.normalize=true"]))

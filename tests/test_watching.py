@@ -11,7 +11,7 @@ import yaml
 from PIL import Image
 
 from accel_train.errors import UserError
-from accel_train.tracking import installed, tracker_names
+from accel_train.run.tracking import installed, tracker_names
 from conftest import (
     FASHION_MNIST,
     crash_after_checkpoint_then_resume,

@@ -5,15 +5,22 @@ runs the tests named for it, and restores the file whatever happens. A mutation 
 (pytest exit 1); one whose tests still pass is a claim no test guards. The selected tests are first run on the
 unbroken source, which must pass, or the check proves nothing.
 
-    python tests/mutations/run.py              # every mutation (about 12 minutes on 2 CPU cores)
+    python tests/mutations/run.py              # every mutation (about 10 minutes on 2 CPU cores)
     python tests/mutations/run.py NAME ...     # some of them; --list names them
 
 Not part of CI: it takes long, and it edits the working tree while it runs (do not edit files meanwhile).
+It refuses to start while tracked files have uncommitted changes (untracked files are left alone: it never
+touches them), so every file it breaks is the committed one and `git checkout -- FILE` restores it. SIGTERM,
+SIGINT and SIGHUP end the tests under way and restore the file; SIGKILL cannot be caught, so each mutation's
+line names the command that restores its file before the file is touched, and the next start names any file
+a killed run left broken.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,86 +42,159 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("per-process reseed dropped (every process draws the same dropout masks)",
-             "accel_train/loop.py", "set_seed(config.seed, device_specific=True)", "set_seed(config.seed)",
+             "accel_train/training/loop.py", "set_seed(config.seed, device_specific=True)", "set_seed(config.seed)",
              ("tests/test_checkpoint.py::test_dropout_draws_differ_per_process",)),
     Mutation("split_batches off (batch_size per process instead of global)",
-             "accel_train/distributed.py", "split_batches=True", "split_batches=False",
+             "accel_train/launch/distributed.py", "split_batches=True", "split_batches=False",
              ("tests/test_equivalence.py::test_n_processes_with_batch_b_end_with_the_weights_of_one_process_with_batch_nb",)),
     Mutation("skip_first_batches skipped (a resumed epoch starts from its first batch)",
-             "accel_train/loop.py",
+             "accel_train/training/loop.py",
              "micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader",
              "micro_batches = train_loader",
              ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
     Mutation("gather instead of gather_for_metrics (eval counts the last batch's padding)",
-             "accel_train/loop.py", "accelerator.gather_for_metrics(task.eval_step(model, batch))",
+             "accel_train/training/evaluation.py", "accelerator.gather_for_metrics(task.eval_step(model, batch))",
              "accelerator.gather(task.eval_step(model, batch))",
              ("tests/test_distributed.py::test_eval_is_exact_at_any_world_size",)),
     Mutation("checkpoint metadata written before the files (published, then saved into)",
-             "accel_train/checkpoint.py", "            accelerator.save_state(str(partial))\n",
+             "accel_train/run/checkpoint.py", "            accelerator.save_state(str(partial))\n",
              "            if accelerator.is_main_process:\n"
              "                self._publish(progress, evaluated, partial, name, 0.0)\n"
              "            accelerator.save_state(str(partial))\n",
              ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",
               "tests/test_checkpoint.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
     Mutation("SIGTERM ignored (not handled: the process dies without saving)",
-             "accel_train/distributed.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)", "HANDLED = (signal.SIGINT,)",
+             "accel_train/launch/distributed.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)",
+             "HANDLED = (signal.SIGINT,)",
              ("tests/test_checkpoint.py::-k single_process",)),
     Mutation("stop signal decided without the all-reduce (each process decides alone)",
-             "accel_train/distributed.py", "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)",
+             "accel_train/launch/distributed.py", "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)",
              "pass",
              ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
     Mutation("scheduler stepped twice per optimizer step",
-             "accel_train/loop.py", "                scheduler.step()\n",
+             "accel_train/training/loop.py", "                scheduler.step()\n",
              "                scheduler.step()\n                scheduler.step()\n",
              ("tests/test_equivalence.py::test_learning_rate_at_every_step_is_the_same_at_1_2_and_3_processes",)),
     Mutation("world-size guard dropped (N processes that formed no group run alone)",
-             "accel_train/distributed.py", "if expected is not None and expected != accelerator.num_processes:",
+             "accel_train/launch/distributed.py", "if expected is not None and expected != accelerator.num_processes:",
              "if False:",
              ("tests/test_distributed.py::test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alone",)),
     Mutation("train line not averaged over processes (process 0's loss only)",
-             "accel_train/meter.py", 'self.accelerator.reduce(self.sums / self.counted, reduction="mean")',
+             "accel_train/training/meter.py", 'self.accelerator.reduce(self.sums / self.counted, reduction="mean")',
              "(self.sums / self.counted)",
              ("tests/test_checkpoint.py::test_a_train_line_averages_the_loss_over_its_steps_and_over_the_processes",)),
     Mutation("a non-finite step still updates the weights (on_nonfinite=skip)",
-             "accel_train/guard.py", "self._apply(optimizer, bad)", "self._apply(optimizer, torch.zeros_like(bad))",
+             "accel_train/training/guard.py", "self._apply(optimizer, bad)",
+             "self._apply(optimizer, torch.zeros_like(bad))",
              ("tests/test_vae.py::test_on_nonfinite_skip_leaves_the_weights_of_the_skipped_step_untouched_and_trains_on",)),
     Mutation("no checkpoint saved on a stop signal",
-             "accel_train/loop.py", "raise Preempted(signals.stop_message(progress.step, save(evaluated=False)))",
+             "accel_train/training/loop.py",
+             "raise Preempted(signals.stop_message(progress.step, save(evaluated=False)))",
              'raise Preempted(signals.stop_message(progress.step, "nowhere"))',
              ("tests/test_checkpoint.py::-k single_process",)),
     Mutation("a second signal cuts the save short (Python's Ctrl-C comes back after the first)",
-             "accel_train/distributed.py", "            self.received = signal.Signals(signum).name\n",
+             "accel_train/launch/distributed.py", "            self.received = signal.Signals(signum).name\n",
              "            self.received = signal.Signals(signum).name\n"
              "            signal.signal(signal.SIGINT, signal.default_int_handler)\n",
              ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
     Mutation("VAE prior samples drawn from the global RNG (a different grid each evaluation)",
-             "accel_train/tasks/vae.py", ", generator=torch.Generator().manual_seed(self.seed))", ")",
+             "accel_train/workloads/tasks/vae.py", ", generator=torch.Generator().manual_seed(self.seed))", ")",
              ("tests/test_vae.py::test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_global_rng",)),
     Mutation("train.compile ignored",
-             "accel_train/models.py", "        model.compile()\n", "        pass\n",
+             "accel_train/workloads/models.py", "        model.compile()\n", "        pass\n",
              ("tests/test_speed_switches.py",)),
     Mutation("train.collective_timeout_s not passed to the process group (torch's default applies)",
-             "accel_train/distributed.py",
+             "accel_train/launch/distributed.py",
              "kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],",
              "kwargs_handlers=[],",
              ("tests/test_checkpoint.py::test_a_hung_process_fails_the_others_at_collective_timeout_s",)),
     Mutation("resume at another world size not refused",
-             "accel_train/checkpoint.py", 'if meta["world_size"] != accelerator.num_processes:', "if False:",
+             "accel_train/run/checkpoint.py", 'if meta["world_size"] != accelerator.num_processes:', "if False:",
              ("tests/test_checkpoint.py::-k world_size",)),
     Mutation("seedable sampler off (data order no longer a function of seed and epoch alone)",
-             "accel_train/distributed.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
+             "accel_train/launch/distributed.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
              ("tests/test_equivalence.py::test_shuffling_is_a_function_of_seed_and_epoch",
               "tests/test_equivalence.py::test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs")),
     Mutation("doctor takes whatever accepts a connection on the main port for machine 0's rendezvous",
-             "accel_train/doctor.py", "why = store_answers(address, port, timeout)", "why = None",
+             "accel_train/tools/doctor.py", "why = store_answers(address, port, timeout)", "why = None",
              ("tests/test_doctor.py::test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_the_main_nodes_rendezvous",)),
     Mutation("eval and resume take any setting, whatever the run was trained with",
              "accel_train/config.py", "    found = contradictions(recorded, config)\n", "    found = []\n",
              ("tests/test_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
     Mutation("the checkpoint line printed over the progress bar",
-             "accel_train/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
+             "accel_train/run/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
              ("tests/test_watching.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
+    # guard.py, NonFiniteGuard.step: the flag of this process's terms reduced (max) over every process. A NaN loss
+    # reaches the gradients, whose all-reduce spreads it anyway; a non-finite loss value whose gradients stay
+    # finite does not, so without the reduction only the process that saw it skips and stops.
+    Mutation("the non-finite guard decides per process (its cross-process reduction removed)",
+             "accel_train/training/guard.py",
+             'self.accelerator.reduce((~torch.isfinite(checked)).any().float(), reduction="max")',
+             "(~torch.isfinite(checked)).any().float()",
+             ("tests/test_vae.py::test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step",)),
+    # loop.py, save(): the guard's host read before a checkpoint. The stop tests that log every step stop at the
+    # train line first; with the non-finite step between train lines, this check alone keeps it out of a save.
+    Mutation("no guard check before a save (a checkpoint written past a non-finite step)",
+             "accel_train/training/loop.py",
+             "guard.check(progress)  # never save past a non-finite step (stop policy)", "pass",
+             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+    # loop.py, validate(): the same check before an evaluation (its metrics line, model selection, early stop).
+    Mutation("no guard check before an evaluation (metrics of a step past a non-finite one)",
+             "accel_train/training/loop.py", "guard.check(progress)  # nothing is evaluated past a non-finite step",
+             "pass",
+             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+    # ema.py, WeightsEMA.update: the average taken after each optimizer step (the first copies the weights).
+    Mutation("the EMA update skipped (model_ema keeps the initial weights)",
+             "accel_train/training/ema.py", "self.averaged.update_parameters(self.accelerator.unwrap_model(model))",
+             "pass",
+             ("tests/test_regularisation.py::test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_model",)),
+    # loop.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
+    # and divides the loss by, one more than the micro-batches the loader cuts a step's batch into.
+    Mutation("the accumulation boundary off by one (an optimizer step every accumulation + 1 micro-batches)",
+             "accel_train/training/loop.py", "accelerator.gradient_accumulation_steps = accumulation",
+             "accelerator.gradient_accumulation_steps = accumulation + 1",
+             ("tests/test_accumulation.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
+    # data.py, hold_out_validation: the training set is what is left after the held-out samples.
+    Mutation("the validation split overlapping the training set (held-out samples trained on)",
+             "accel_train/workloads/data.py",
+             "held, kept = order[:count].sort().values, order[count:].sort().values",
+             "held, kept = order[:count].sort().values, order.sort().values",
+             ("tests/test_regularisation.py::test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented",)),
+    # prediction.py, predict: the gathered index says which file a row belongs to.
+    Mutation("predict rows attached to the wrong files (each file gets its neighbour's row)",
+             "accel_train/training/prediction.py", "found[index] = (labels, scores)",
+             "found[(index + 1) % len(files)] = (labels, scores)",
+             ("tests/test_user_code.py::test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file",)),
+    # data.py, sample_keys: the epoch in the key of a sample's crop and flip.
+    Mutation("the augmentation key ignores the epoch (sample_keys)",
+             "accel_train/workloads/data.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
+             "offset = ((seed * 1_000_003 + 1) * 0x5851F42D4C957F2D) % 2**64",
+             ("tests/test_data_paths.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
+              "tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
+    # data.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
+    # reaches only the seedable sampler).
+    Mutation("the augmentation key ignores the epoch (the loop never hands the epoch to the on-device dataset)",
+             "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
+             "loader.dataset.set_epoch(0, seed)",
+             ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
 ]
+
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """A signal asked the run to end: the tests under way are ended and the mutated file restored first."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame) -> None:
+    for handled in HANDLED_SIGNALS:  # a second Ctrl-C must not cut the restore short
+        signal.signal(handled, signal.SIG_IGN)
+    raise Interrupted(signum)
 
 
 def pytest_args(tests: tuple[str, ...]) -> list[str]:
@@ -125,57 +205,131 @@ def pytest_args(tests: tuple[str, ...]) -> list[str]:
     return args
 
 
-def run_tests(tests: tuple[str, ...]) -> tuple[int, list[str], float]:
+def run_tests(tests: tuple[str, ...], repo: Path = REPO) -> tuple[int, list[str], float]:
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
-                             *pytest_args(tests)], cwd=REPO, capture_output=True, text=True)
+    # Its own process group, so that an interrupted run ends pytest and whatever it started, and not more.
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *pytest_args(tests)]
+    with subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as tests_run:
+        try:
+            stdout, _ = tests_run.communicate()
+        except BaseException:
+            end_process_group(tests_run)
+            raise
     # A fixture that trains fails as an ERROR of the tests using it
-    failed = [f"{word.lower()} {line.split()[1]}" for line in result.stdout.splitlines()
-              for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]
-    return result.returncode, failed, time.monotonic() - started
+    failed = [f"{word.lower()} {line[len(word) + 1:].split(' - ')[0]}" for line in stdout.splitlines()
+              for word in ("FAILED", "ERROR") if line.startswith(f"{word} ")]  # node ids may hold spaces
+    return tests_run.returncode, failed, time.monotonic() - started
+
+
+def end_process_group(process: subprocess.Popen) -> None:
+    for sent, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sent)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def restore_command(file: str) -> str:
+    return f"git checkout -- {file}"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def refusal(mutations: list[Mutation], repo: Path = REPO) -> str | None:
+    """One line saying why the run must not start: tracked files with uncommitted changes, naming the command
+    that restores any a killed run left mutated. None when the tracked files are those of HEAD."""
+    try:
+        changed = git(repo, "diff", "--name-only", "-z", "HEAD").split("\0")  # staged or not
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = (getattr(err, "stderr", "") or str(err)).strip().splitlines()
+        return (f"cannot list the changes of {repo} with git ({detail[0] if detail else err}): the run needs a "
+                "git checkout, to restore each file it breaks")
+    changed = [file for file in changed if file]
+    if not changed:
+        return None
+    left = {}
+    for mutation in mutations:
+        path = repo / mutation.file
+        if mutation.file in changed and mutation.file not in left and path.is_file():
+            committed = git(repo, "show", f"HEAD:{mutation.file}")
+            if path.read_text() == committed.replace(mutation.original, mutation.broken):
+                left[mutation.file] = mutation
+    reasons = [f"{file} still holds the mutation \"{mutation.name}\" of a run that was killed; restore it with "
+               f"`{restore_command(file)}`" for file, mutation in left.items()]
+    others = [file for file in changed if file not in left]
+    if others:
+        reasons.append(f"uncommitted changes to {', '.join(others)}: commit or stash them (each mutation breaks a "
+                       "committed file, and a killed run is undone with git checkout)")
+    return "refusing to start: " + "; ".join(reasons)
 
 
 @contextmanager
-def mutated(mutation: Mutation):
-    """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards."""
-    path = REPO / mutation.file
+def mutated(mutation: Mutation, repo: Path = REPO):
+    """Apply `mutation` for the duration of a with block; the file is restored byte for byte afterwards, also
+    when a signal ends the run (SIGKILL aside: the caller names the restoring command before it mutates)."""
+    path = repo / mutation.file
     source = path.read_text()
     if source.count(mutation.original) != 1:
         raise SystemExit(f"{mutation.name}: the text to break is no longer found once in {mutation.file}; "
                          "update tests/mutations/run.py")
-    path.write_text(source.replace(mutation.original, mutation.broken))
     try:
+        path.write_text(source.replace(mutation.original, mutation.broken))
         yield
     finally:
         path.write_text(source)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], mutations: list[Mutation] = MUTATIONS, repo: Path = REPO) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="words of the mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="name the mutations and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip running the selected tests unbroken first")
     args = parser.parse_args(argv)
-    chosen = [m for m in MUTATIONS if not args.names or any(word in m.name for word in args.names)]
+    chosen = [m for m in mutations if not args.names or any(word in m.name for word in args.names)]
     if not chosen:
         print(f"no mutation's name contains {' or '.join(map(repr, args.names))}; choose words from:", file=sys.stderr)
     if args.list or not chosen:
-        print("\n".join(m.name for m in MUTATIONS))
+        print("\n".join(m.name for m in mutations))
         return 0 if args.list else 2
-    if not args.no_baseline:
+    if why := refusal(mutations, repo):
+        print(f"mutations: {why}", file=sys.stderr)
+        return 2
+    for handled in HANDLED_SIGNALS:
+        signal.signal(handled, raise_interrupted)
+    try:
+        return run_mutations(chosen, args.no_baseline, repo)
+    except Interrupted as stop:
+        print(f"\nmutations: stopped by {stop}; the tests under way were ended and the source is restored",
+              file=sys.stderr)
+        return 128 + stop.signum
+
+
+def run_mutations(chosen: list[Mutation], no_baseline: bool, repo: Path) -> int:
+    if not no_baseline:
         tests = tuple(dict.fromkeys(test for m in chosen for test in m.tests))
-        code, failed, seconds = run_tests(tests)
+        code, failed, seconds = run_tests(tests, repo)
         print(f"baseline: {'pass' if code == 0 else f'FAILED {failed or code}'} ({seconds:.0f} s)", flush=True)
         if code != 0:
             return 1
     missed = 0
     for number, mutation in enumerate(chosen, 1):
-        with mutated(mutation):
-            code, failed, seconds = run_tests(mutation.tests)
+        # Printed before the file changes: what restores it if this run is killed with SIGKILL.
+        print(f"{number:2d}. {mutation.name} [{mutation.file}; if killed: {restore_command(mutation.file)}]: ",
+              end="", flush=True)
+        with mutated(mutation, repo):
+            code, failed, seconds = run_tests(mutation.tests, repo)
         caught = code == 1 and failed
         missed += not caught
         verdict = f"caught by {', '.join(failed)}" if caught else f"NOT CAUGHT (pytest exit {code})"
-        print(f"{number:2d}. {mutation.name}: {verdict} ({seconds:.0f} s)", flush=True)
+        print(f"{verdict} ({seconds:.0f} s)", flush=True)
     print(f"{len(chosen) - missed} of {len(chosen)} mutations caught")
     return 1 if missed else 0
 

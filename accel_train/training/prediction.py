@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import csv
 import glob
-import json
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
 from accel_train.config import Config
-from accel_train.data import Data, image_converter, load_image, make_loader
-from accel_train.distributed import make_accelerator
 from accel_train.errors import DataNotFoundError, writing
-from accel_train.loop import load_weights, read_weights, weights_file
-from accel_train.run_folder import CLASSES_FILE
-from accel_train.tasks import Task, task_named
+from accel_train.launch.distributed import make_accelerator
+from accel_train.run.weights import class_names, load_weights, read_weights, weights_file
+from accel_train.workloads.data import Data, image_converter, load_image, make_loader
+from accel_train.workloads.tasks import Task, task_named
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -57,13 +55,6 @@ class ImageFiles(Dataset):
         return self.convert(load_image(str(self.files[index]))), index
 
 
-def class_names(checkpoint: str, weights: Path) -> list[str]:
-    """classes.json of the run the weights belong to: beside them, or two folders up from a checkpoint's."""
-    for folder in (weights.parent, weights.parent.parent.parent):
-        if (folder / CLASSES_FILE).is_file():
-            return json.loads((folder / CLASSES_FILE).read_text())
-    raise DataNotFoundError(f"checkpoint={checkpoint}: no {CLASSES_FILE} in its run folder; predict takes the class "
-                            "names that training writes there (train the run again with this version)")
 
 
 def predict(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
@@ -73,13 +64,14 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
     task.check_config(config)
     convert, shape = image_converter(config.data)
     weights = weights_file(checkpoint)
-    classes = class_names(checkpoint, weights)
+    classes = class_names(checkpoint)
     files = find_images(inputs)
     state = read_weights(weights)
     accelerator = make_accelerator(config.seed)
     data = Data(None, len(classes), shape, classes)
     task.setup(config, data)
-    model = load_weights(model if model is not None else task.build_model(config, data), state, config, checkpoint)
+    model = load_weights(model if model is not None else task.build_model(config, data), state, checkpoint,
+                         f"model.name={config.model.name} on {config.data.name}")
     loader = make_loader(Data(ImageFiles(files, convert), len(classes), shape), config.data,
                          config.predict.batch_size * accelerator.num_processes, False, accelerator.device)
     model, loader = accelerator.prepare(model, loader)

@@ -31,53 +31,44 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from accel_train.accumulation import StepTerms, accumulation_steps, fit_micro_batch
-from accel_train.checkpoint import Checkpoints, check_resume
 from accel_train.config import Config
-from accel_train.data import build_dataset, hold_out_validation, make_loader, start_epoch
-from accel_train.distributed import (
+from accel_train.console import say, warn
+from accel_train.errors import Preempted
+from accel_train.launch.distributed import (
     StopSignals,
-    launcher_restarts,
     make_accelerator,
     maybe_sync_batchnorm,
     per_process_batch,
     round_up_to_world,
     run_info,
 )
-from accel_train.ema import WeightsEMA
-from accel_train.errors import (
-    DataNotFoundError,
-    Preempted,
-    UnreadableFileError,
-    UserError,
-    say,
-    usual_permissions,
-    warn,
-    writing,
-)
-from accel_train.guard import NonFiniteGuard, clip_gradients
-from accel_train.meter import TrainMeter
-from accel_train.models import tune_for_device
-from accel_train.observers import Console, Observers, Progress
-from accel_train.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
-from accel_train.run_folder import MODEL_FILE, RunFolder, check_output_dir, check_split, results_of
-from accel_train.selection import ModelSelection
-from accel_train.tasks import Task, task_named
-from accel_train.tasks.base import check_mixing
-from accel_train.tracking import Trackers, tracker_names, trackers_dir
+from accel_train.launch.settings import launcher_restarts
+from accel_train.run.checkpoint import Checkpoints
+from accel_train.run.layout import EMA_FILE, MODEL_FILE, results_of, trackers_dir
+from accel_train.run.observers import Console, Observers
+from accel_train.run.progress import Progress
+from accel_train.run.tracking import Trackers
+from accel_train.run.weights import export
+from accel_train.run.writer import RunFolder
+from accel_train.training.accumulation import StepTerms, accumulation_steps, fit_micro_batch
+from accel_train.training.ema import WeightsEMA
+from accel_train.training.evaluation import evaluate
+from accel_train.training.guard import NonFiniteGuard, clip_gradients
+from accel_train.training.meter import TrainMeter
+from accel_train.training.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
+from accel_train.training.selection import ModelSelection
+from accel_train.workloads.data import build_dataset, hold_out_validation, make_loader, start_epoch
+from accel_train.workloads.models import tune_for_device
+from accel_train.workloads.tasks import Task
 
 
-def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | None = None,
+def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Module | None = None,
           train_dataset=None, eval_dataset=None) -> dict:
-    """Train what `config` describes; a task, model or datasets given as objects take the place of its names."""
+    """Train what `config` describes, checked before (api.check_training); a model or datasets given as objects
+    take the place of its names. `trackers`: Accelerate's names (TensorBoard, W&B, ...)."""
     started = time.perf_counter()
-    task = task if task is not None else task_named(config.task)
-    task.check_config(config)
-    check_mixing(task, config)
-    trackers = tracker_names(config.train.log_with)  # TensorBoard, W&B, ... through Accelerate
-    check_output_dir(config)
-    check_resume(config)
-    accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, trackers, trackers_dir(config))
+    accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, trackers,
+                                   str(trackers_dir(config.output_dir)))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
     set_seed(config.seed)  # the same initial weights on every process
@@ -102,7 +93,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=steps_per_epoch)
     model, optimizer, train_loader, test_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, val_loader, scheduler)
-    set_seed(config.seed, device_specific=True)  # dropout (and file-backed augmentation) differ per process
+    set_seed(config.seed, device_specific=True)  # dropout differs per process
 
     progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch),
                         started=started)
@@ -110,14 +101,12 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     if overrun := schedule_overruns(config.train, steps_per_epoch):
         warn(accelerator, overrun)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
-    checkpoints = Checkpoints(config, accelerator)
-    start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
-    progress.step, progress.last_eval = start.step, start.last_eval
     meter, selection = TrainMeter(accelerator, config.train.batch_size), ModelSelection(config, accelerator)
-    if start.loop_state:
-        meter.load_state_dict(start.loop_state)
-        selection.load_state_dict(start.loop_state.get("selection"))
-        progress.elapsed_before_s = start.loop_state.get("elapsed_s", 0.0)
+    # What survives a resume beside the model, optimizer and scheduler: one entry a part.
+    checkpoints = Checkpoints(config, accelerator, states={"progress": progress, "meter": meter,
+                                                           "selection": selection,
+                                                           **({"ema": ema.averaged} if ema else {})})
+    start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
     step_terms = StepTerms(accumulation)
     observers = main_process_observers(config, accelerator, task, start, train_data.classes, trackers)
@@ -130,8 +119,7 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
     def save(evaluated: bool) -> Path:
         guard.check(progress)  # never save past a non-finite step (stop policy)
         with meter.paused():
-            return checkpoints.save(progress, evaluated, {**meter.state_dict(), "selection": selection.state_dict(),
-                                                          "elapsed_s": progress.elapsed_s()})
+            return checkpoints.save(progress, evaluated)
 
     def validate(epoch_ends: bool) -> bool:
         """Evaluate on the validation split (the test set without one), select, save when due. True: stop early."""
@@ -203,12 +191,9 @@ def train(config: Config, *, task: Task | None = None, model: torch.nn.Module | 
             with meter.paused():
                 final = evaluate(accelerator, model, task, test_loader, ema)
             observers.on_eval(progress, final, "test")
-        with writing(Path(config.output_dir) / MODEL_FILE, "exporting the trained model"):
-            accelerator.save_model(model, config.output_dir)
-            if ema:
-                ema.export(config.output_dir)
-            if accelerator.is_main_process:  # model.safetensors (or its shards over 10 GB) and model_ema
-                usual_permissions(*Path(config.output_dir).glob("model*.safetensors"))
+        export(accelerator, model, Path(config.output_dir) / MODEL_FILE)
+        if ema:
+            export(accelerator, ema.model, Path(config.output_dir) / EMA_FILE)
         observers.on_train_end(progress)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
     return final
@@ -223,89 +208,13 @@ def main_process_observers(config: Config, accelerator, task, start, classes, tr
     headline = (f"training {config.model.name} on {config.data.name}: {info['world_size']} process(es), "
                 f"{info['device']}, mixed precision {info['mixed_precision']}"
                 f"{f', restart {restart} of at most {max_restarts} by the launcher' if restart else ''}")
-    files = results_of(config, classes is not None, tracking=bool(trackers))
-    watch = f"tensorboard --logdir {trackers_dir(config)}" if "tensorboard" in trackers else None
+    files = results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
+                       curves=config.train.plot, classes=classes is not None,
+                       checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
+                       tracking=bool(trackers))
+    watch = f"tensorboard --logdir {trackers_dir(config.output_dir)}" if "tensorboard" in trackers else None
     return Observers([RunFolder(config, info, start, classes),
                       Console(headline, config.output_dir, config.train.progress_bar, config.train.progress_every_s,
                               files, watch),
                       *([Trackers(accelerator, config, info, resumed_here=start.in_output_dir)] if trackers else []),
                       *task.observers(config)])
-
-
-@torch.no_grad()
-def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) -> dict:
-    """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch.
-    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*."""
-    model.eval()
-    metric = task.new_metric()
-    for batch in loader:
-        with accelerator.autocast():  # the EMA's module is not prepared, so not autocast by Accelerate
-            metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
-    metrics = metric.compute()
-    if ema is None:
-        return metrics
-    raw = {f"raw_{name}": value for name, value in metrics.items() if name != "num_samples"}
-    return {**evaluate(accelerator, ema.model, task, loader), **raw}
-
-
-def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,
-                        model: torch.nn.Module | None = None, eval_dataset=None, split: str = "test") -> dict:
-    """`accel-train eval`: load exported weights (safetensors) and evaluate them on the test (or validation)
-    split. The metrics come with `num_processes`, the world size that computed them: the same metrics from any
-    world size is the contract, and a launch that formed no process group would show 1 here (if the world-size
-    check let it run)."""
-    check_split(split)
-    task = task if task is not None else task_named(config.task)
-    task.check_config(config)
-    state = read_weights(weights_file(checkpoint))
-    accelerator = make_accelerator(config.seed)
-    with accelerator.local_main_process_first():
-        if split == "val":
-            eval_data = hold_out_validation(config.data, config.seed, build_dataset(config.data, train=True))[1]
-            if eval_data is None:
-                raise UserError(f"split=val: {checkpoint} was trained without a validation split "
-                                "(data.val_fraction=0 and no val/ folder); evaluate split=test")
-        else:
-            eval_data = build_dataset(config.data, train=False, given=eval_dataset)
-    task.setup(config, eval_data)
-    model = load_weights(model if model is not None else task.build_model(config, eval_data), state, config,
-                         checkpoint)
-    eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
-                              False, accelerator.device)
-    model, eval_loader = accelerator.prepare(model, eval_loader)
-    metrics = evaluate(accelerator, model, task, eval_loader)
-    accelerator.end_training()
-    return {**metrics, "num_processes": accelerator.num_processes}
-
-
-def weights_file(checkpoint: str) -> Path:
-    """The model.safetensors of a run folder, of a checkpoint folder, or the file itself."""
-    weights = Path(checkpoint)
-    if weights.is_dir():
-        weights = weights / MODEL_FILE
-    if not weights.is_file():
-        raise DataNotFoundError(f"checkpoint={checkpoint}: no {MODEL_FILE} there; pass the output_dir of a run, "
-                                "a checkpoint folder or the file")
-    return weights
-
-
-def load_weights(model: torch.nn.Module, state: dict, config: Config, checkpoint: str) -> torch.nn.Module:
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
-        raise UserError(f"checkpoint={checkpoint} does not fit model.name={config.model.name} "
-                        f"on {config.data.name}: {detail}") from None
-    return model
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, or one line saying the file is damaged."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as err:  # safetensors' own error for a bad header, OSError for a short read
-        raise UnreadableFileError(f"{path} is not a readable safetensors file ({str(err).splitlines()[0]}); it may "
-                                  "be truncated or damaged: train again, or evaluate a checkpoint under "
-                                  "OUTPUT_DIR/checkpoints/") from None

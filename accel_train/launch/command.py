@@ -10,17 +10,15 @@ On one machine there is nothing to wait for and the hand-over is immediate.
 
 from __future__ import annotations
 
-import argparse
 import os
-import select
-import signal
 import socket
 import sys
 import time
-import warnings
 from datetime import datetime, timedelta
 
 from accel_train.errors import LaunchError
+from accel_train.launch.rendezvous import reachable, store_answers
+from accel_train.launch.settings import launch_settings
 
 JOIN_TIMEOUT_S = 300.0  # documented in README, the profiles and the SLURM script: shorter than torch's silent 600 s
 SAY_EVERY_S = 10.0
@@ -46,24 +44,6 @@ def split_arguments(argv: list[str]) -> tuple[float, list[str]]:
     return JOIN_TIMEOUT_S, list(argv)
 
 
-def launch_settings(arguments: list[str]):
-    """The settings accelerate launch will use (flags over its config file), read and checked the way doctor reads
-    and checks them."""
-    from accel_train.doctor import Report, add_arguments, check_addressing, resolve_launch
-
-    # What follows the module or script is the training command's, not the launcher's.
-    target = next((i for i, arg in enumerate(arguments) if arg in ("-m", "--module") or arg.endswith(".py")),
-                  len(arguments))
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_arguments(parser)
-    flags, _ = parser.parse_known_args(arguments[:target])
-    report = Report()
-    settings = resolve_launch(flags, report)
-    if settings.num_machines > 1:
-        check_addressing(settings, report)
-    if report.problems:
-        raise LaunchError("; ".join(report.problems))
-    return settings, flags.config_file
 
 
 def main(argv: list[str]) -> None:
@@ -155,53 +135,8 @@ def join(ip: str, port: int, rank: int, machines: int, deadline: float, give_up:
     return store
 
 
-def reachable(ip: str, port: int) -> str | None:
-    """None when something listens at ip:port, else why not, in words."""
-    try:
-        with socket.create_connection((ip, port), timeout=3):
-            return None
-    except ConnectionRefusedError:
-        return "connection refused: nothing listens there yet"
-    except TimeoutError:
-        return "timed out: a firewall, or the wrong address"
-    except OSError as err:
-        return err.strerror or str(err)
 
 
-def store_answers(ip: str, port: int, timeout: float) -> str | None:
-    """None when a torch TCPStore (a launch's rendezvous) answers at ip:port within `timeout` seconds, else why not,
-    in words. A client asks it one read-only question in a child process that is killed after `timeout`: torch's
-    client waits forever on a server that accepts the connection and never answers (another program, a proxy or a
-    firewall), and logs each failed try with a C++ stack trace."""
-    from torch.distributed import TCPStore  # before the fork, so the child only asks
-
-    read, write = os.pipe()
-    with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process; the child only asks, then exits
-        warnings.simplefilter("ignore", DeprecationWarning)
-        child = os.fork()
-    if child == 0:
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-            # torch retries for its timeout and overshoots it: half the time leaves its answer inside ours
-            store = TCPStore(ip, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout / 2))
-            store.num_keys()  # changes nothing and waits for nothing; only a TCPStore answers it
-            os.write(write, b"+")
-        except Exception as err:  # any failure means no TCPStore answered; its first line says why
-            os.write(write, b"-" + (str(err).splitlines() or [type(err).__name__])[0][:500].encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    answer = select.poll()
-    answer.register(read, select.POLLIN)
-    try:
-        said = os.read(read, 1024) if answer.poll(timeout * 1000) else None
-    finally:
-        os.close(read)
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
-    if said is None:
-        return f"no answer in {timeout:g} s"
-    return None if said == b"+" else f"torch: {said[1:].decode(errors='replace') or 'the client died'}"
 
 
 def leave(store, rank: int, machines: int) -> None:

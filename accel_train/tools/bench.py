@@ -26,14 +26,15 @@ import torch
 from accelerate.utils import set_seed
 
 from accel_train.config import Config, load_config
-from accel_train.data import build_dataset, make_loader
-from accel_train.distributed import dataloader_workers, make_accelerator, plain_process_env
-from accel_train.doctor import cpu_has_bf16
 from accel_train.errors import UserError
-from accel_train.installed import profile_path
-from accel_train.models import tune_for_device
-from accel_train.optim import build_optimizer, build_scheduler
-from accel_train.tasks import task_named
+from accel_train.installed import cpu_has_bf16, profile_path, versions
+from accel_train.launch.distributed import dataloader_workers, make_accelerator
+from accel_train.launch.settings import plain_process_env
+from accel_train.run.layout import read_lines
+from accel_train.training.optim import build_optimizer, build_scheduler
+from accel_train.workloads.data import build_dataset, make_loader
+from accel_train.workloads.models import tune_for_device
+from accel_train.workloads.tasks import task_named
 
 TARGETS = {"overhead_ratio": 0.98, "input_pipeline_ratio": 20.0, "cli_help_s": 1.0}
 WINDOWS = 3  # timed windows after the warm-up one
@@ -107,15 +108,14 @@ def windowed_rate(lines: list[dict]) -> float:
 
 
 def _train_lines(output_dir: Path) -> list[dict]:
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if row["split"] == "train"]
+    return [row for row in read_lines(output_dir) if row["split"] == "train"]
 
 
 # 1. overhead ---------------------------------------------------------------------------------------------------
 
 def overhead(recipe: str, overrides: list[str], out: Path, rounds: int, log) -> dict:
     """Our loop against the loop a user would write by hand, same model, tensors, batch and precision."""
-    from accel_train import loop
+    from accel_train import api
 
     ours, plain = [], []
     for round_index in range(rounds):  # interleaved, best of each: load from other jobs hits both alike
@@ -123,7 +123,7 @@ def overhead(recipe: str, overrides: list[str], out: Path, rounds: int, log) -> 
         log(f"overhead round {round_index + 1}/{rounds}: plain PyTorch loop")
         plain.append(plain_loop(config))
         log(f"overhead round {round_index + 1}/{rounds}: accel-train loop")
-        loop.train(config)
+        api.train(config)
         ours.append(windowed_rate(_train_lines(Path(config.output_dir))))
     return {"ours_samples_per_s": max(ours), "plain_samples_per_s": max(plain), "ratio": max(ours) / max(plain),
             "all_ours": ours, "all_plain": plain, "augment": False, "precision": "fp32", "processes": 1}
@@ -316,16 +316,15 @@ def cli_help_seconds() -> float:
 
 
 def machine_info() -> dict:
-    import accelerate
-
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                  if line.startswith("model name")]
         cpu = names[0] if names else cpu
-    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "python": platform.python_version(),
+    found = versions()
+    info = {"cpu": cpu, "cpu_cores": os.cpu_count(),
+            **{name: found[name] for name in ("torch", "accelerate", "python")},
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel_train.config import Config, ModelConfig
-from accel_train.data import Data
 from accel_train.errors import UserError, writing
-from accel_train.imports import is_import_path
-from accel_train.observers import Observer, Progress
-from accel_train.registry import Registry
-from accel_train.tasks.base import TASKS, Task, WithComputeArgs
+from accel_train.import_paths import is_import_path
+from accel_train.run.observers import Observer, Progress
+from accel_train.workloads.data import Data
+from accel_train.workloads.registry import Registry
+from accel_train.workloads.tasks.base import TASKS, Task, WithComputeArgs
 
 VAE_MODELS: Registry[nn.Module] = Registry("VAE model", "model.name")
 TERMS = ("loss", "reconstruction_loss", "kl")
@@ -81,8 +81,8 @@ class VAETask(Task):
     pictures: dict | None = None
 
     def check_config(self, config: Config) -> None:
-        from accel_train.data import check_data_name
-        from accel_train.models import check_model
+        from accel_train.workloads.data import check_data_name
+        from accel_train.workloads.models import check_model
 
         check_data_name(config.data)
         if is_import_path(config.model.name):
@@ -98,7 +98,7 @@ class VAETask(Task):
     def build_model(self, config: Config, data: Data) -> nn.Module:
         cfg: ModelConfig = config.model
         if is_import_path(cfg.name):  # the user's VAE: forward(images, sample) -> (logits, mean, log_var), decode
-            from accel_train.models import build_by_import_path
+            from accel_train.workloads.models import build_by_import_path
 
             return build_by_import_path(cfg, None, data.image_shape)
         return VAE_MODELS.get(cfg.name)(data.image_shape, cfg.latent_size, cfg.hidden_size)
@@ -117,7 +117,7 @@ class VAETask(Task):
         return per_sample_terms(logits, images, mean, log_var, self.beta)
 
     def new_metric(self):
-        from accel_train.metrics import MeanValues, in_memory
+        from accel_train.workloads.metrics import MeanValues, in_memory
 
         self.pictures = None  # refilled from the first eval batch of this evaluation
         return WithComputeArgs(in_memory(MeanValues, TERMS))

@@ -1,15 +1,22 @@
 """Checkpoints in output_dir/checkpoints/: atomic, self-describing, pruned; and exact resume from them.
 
 A checkpoint is the folder `accelerator.save_state` writes on every process (model.safetensors, the
-optimizer, the LR scheduler, each process's RNG state) plus each process's loop state (the train meter's
-partial sums) and checkpoint.json: step, epoch, position in the epoch, eval metrics, the resolved config
-and the size of every file. It is written as `.partial-step-N` and renamed when complete, so a crash at
-any moment leaves the previous checkpoints or the complete new one. Checkpoints are found and ordered by
+optimizer, the LR scheduler, each process's RNG state) plus each process's loop state and checkpoint.json:
+step, epoch, position in the epoch, eval metrics, the resolved config and the size of every file.
+
+What survives a resume beside the model, optimizer and scheduler is one mapping of stateful parts, given
+once (`Checkpoints(config, accelerator, states={"progress": ..., "meter": ..., ...})`, as torchtitan's
+CheckpointManager takes them): a part with tensors (a torch module, such as the EMA of the weights) is saved
+with Accelerate's state, any other part's `state_dict()` goes into that process's loop_state_P.json. Resume
+loads every part in place; adding a part is one entry.
+
+A checkpoint is written as `.partial-step-N` and renamed when complete, so a crash at any moment leaves the
+previous checkpoints or the complete new one. Checkpoints are found and ordered by
 their checkpoint.json, never by name.
 
-The loop decides when to save (`due`, `due_after_eval`) and calls `save`; `resume` returns where training
-continues as a ResumePoint. Loading goes through `accelerator.load_state` with `weights_only=True`
-(safetensors for the model): nothing in a checkpoint can run code when it is read.
+The loop decides when to save (`due`, `due_after_eval`) and calls `save`; `resume` restores the parts and
+returns where training continues as a ResumePoint. Loading goes through `accelerator.load_state` with
+`weights_only=True` (safetensors for the model): nothing in a checkpoint can run code when it is read.
 """
 
 from __future__ import annotations
@@ -19,26 +26,37 @@ import os
 import pickle
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from accel_train.config import refuse_contradictions
-from accel_train.distributed import any_process, first_message
-from accel_train.errors import UserError, say, usual_permissions, warn, writing
+from accel_train.console import say, warn
+from accel_train.errors import UserError, writing
+from accel_train.launch.distributed import any_process, first_message
+from accel_train.run.layout import (
+    CHECKPOINT_META_FILE,
+    LOOP_STATE_FILE,
+    MODEL_FILE,
+    checkpoints_dir,
+    usual_permissions,
+)
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
     from accel_train.config import CheckpointConfig, Config
-    from accel_train.observers import Progress
+    from accel_train.run.progress import Progress
 
-META_FILE = "checkpoint.json"
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
-LOOP_STATE_FILE = "loop_state_{process}.json"  # one per process: its train meter sums
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -49,18 +67,12 @@ class ResumePoint:
     epoch: int = 0  # the epoch to continue
     skip: int = 0  # batches of that epoch already trained
     evaluated: bool = False  # the checkpoint was saved after the evaluation at `step`
-    last_eval: dict = field(default_factory=dict)
     in_output_dir: bool = False  # saved by this output_dir's run: its metrics.jsonl continues
-    loop_state: dict | None = None  # this process's train meter at the save
-
-
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
 
 
 def read_meta(folder: Path) -> dict | None:
     try:
-        meta = json.loads((folder / META_FILE).read_text())
+        meta = json.loads((folder / CHECKPOINT_META_FILE).read_text())
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
@@ -102,13 +114,20 @@ def resume_position(meta: dict) -> tuple[int, int]:
 
 
 class Checkpoints:
-    """When to save (the loop asks), saving (collectively, on every process), pruning, and resuming."""
+    """When to save (the loop asks), saving (collectively, on every process), pruning, and resuming `states`."""
 
-    def __init__(self, config: Config, accelerator: Accelerator) -> None:
+    def __init__(self, config: Config, accelerator: Accelerator, states: dict[str, Stateful] | None = None) -> None:
+        import torch
+
         self.config, self.accelerator = config, accelerator
         self.cfg: CheckpointConfig = config.checkpoint
         self.directory = checkpoints_dir(config.output_dir)
         self._warned_metric = False
+        states = states or {}
+        for part in states.values():
+            if isinstance(part, torch.nn.Module):  # before load_state: a resume restores it
+                accelerator.register_for_checkpointing(part)
+        self.states = {name: part for name, part in states.items() if not isinstance(part, torch.nn.Module)}
 
     def due(self, step: int) -> bool:
         """A save every checkpoint.every_steps optimizer steps."""
@@ -120,8 +139,9 @@ class Checkpoints:
         saving = self.cfg.at_epoch_end or bool(self.cfg.every_steps)
         return (epoch_ends and self.cfg.at_epoch_end) or self.due(step) or (last and saving)
 
-    def save(self, progress: Progress, evaluated: bool, loop_state: dict) -> Path:
+    def save(self, progress: Progress, evaluated: bool) -> Path:
         accelerator, name = self.accelerator, f"step-{progress.step:08d}"
+        loop_state = {name: part.state_dict() for name, part in self.states.items()}
         partial = self.directory / f"{PARTIAL_PREFIX}{name}"
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
             if accelerator.is_main_process:
@@ -155,7 +175,7 @@ class Checkpoints:
             "serial": existing[-1][1]["serial"] + 1 if existing else 1,
             "step": progress.step,
             "epoch": progress.epoch,
-            "batches_done_in_epoch": progress.step - progress.epoch * progress.steps_per_epoch,
+            "batches_done_in_epoch": progress.batches_done_in_epoch(),
             "steps_per_epoch": progress.steps_per_epoch,
             "evaluated": evaluated,
             "metrics": dict(progress.last_eval) if evaluated else {},
@@ -165,7 +185,7 @@ class Checkpoints:
             "files": files,
             "config": self.config.to_dict(),
         }
-        _write_synced(partial / META_FILE, json.dumps(meta, indent=1))
+        _write_synced(partial / CHECKPOINT_META_FILE, json.dumps(meta, indent=1))
         final = self.directory / name
         suffix = 1
         while final.exists():  # same step saved before, e.g. in a timeline abandoned by resume=PATH
@@ -191,7 +211,8 @@ class Checkpoints:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def resume(self, model: torch.nn.Module, steps_per_epoch: int, total_steps: int) -> ResumePoint:
-        """Load the checkpoint `resume` names (all processes) and say where training continues."""
+        """Load the checkpoint `resume` names (all processes), restore every part in place, and say where training
+        continues."""
         config, accelerator, directory = self.config, self.accelerator, self.directory
         if not config.resume:
             return ResumePoint()
@@ -202,11 +223,12 @@ class Checkpoints:
             if not candidates:
                 accelerator.print(f"resume=auto: no checkpoint in {directory}; starting from step 0")
                 return ResumePoint()
-        else:
-            check_resume(config)
+        else:  # check_resume made sure, before any data loaded, that it is a checkpoint of this run
             candidates = [(Path(config.resume), read_meta(Path(config.resume)))]
         for folder, meta in reversed(candidates):
-            _refuse_other_runs(folder, meta, config, accelerator, model, steps_per_epoch)
+            if folder != candidates[-1][0]:  # the newest was checked before any data loaded (check_resume)
+                _refuse_other_identity(folder, meta, config)
+            _refuse_other_shapes(folder, meta, config, accelerator, model, steps_per_epoch)
             trouble, error = _damage(folder, meta), None
             if trouble is None:
                 trouble, error = _load(accelerator, folder)
@@ -230,10 +252,12 @@ class Checkpoints:
             accelerator.print(f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to "
                               "train")
             epoch, done = config.train.epochs, 0
+        saved = _read_loop_state(folder, accelerator.process_index, meta)
+        for name, part in self.states.items():
+            if saved.get(name) is not None:
+                part.load_state_dict(saved[name])
         return ResumePoint(step=meta["step"], epoch=epoch, skip=done, evaluated=meta["evaluated"],
-                           last_eval=dict(meta["metrics"]),
-                           in_output_dir=folder.parent.resolve() == directory.resolve(),
-                           loop_state=_read_loop_state(folder, accelerator.process_index))
+                           in_output_dir=folder.parent.resolve() == directory.resolve())
 
 
 def check_resume(config: Config) -> None:
@@ -247,7 +271,7 @@ def check_resume(config: Config) -> None:
         return
     meta = read_meta(Path(config.resume))
     if meta is None:
-        raise UserError(f"resume={config.resume}: not a checkpoint (no readable {META_FILE}); pass a folder "
+        raise UserError(f"resume={config.resume}: not a checkpoint (no readable {CHECKPOINT_META_FILE}); pass a folder "
                         f"under OUTPUT_DIR/checkpoints/, or resume=auto")
     _refuse_other_identity(Path(config.resume), meta, config)
 
@@ -257,15 +281,22 @@ def _refuse_other_identity(folder: Path, meta: dict, config: Config) -> None:
                           "use another output_dir or resume=null")
 
 
-def _read_loop_state(folder: Path, process: int) -> dict | None:
+def _read_loop_state(folder: Path, process: int, meta: dict) -> dict:
+    """This process's saved parts by name. A checkpoint of an earlier version kept the train meter's sums at the top
+    level and the progress in checkpoint.json alone: read into today's parts."""
     path = folder / LOOP_STATE_FILE.format(process=process)
-    return json.loads(path.read_text()) if path.is_file() else None
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    if "progress" not in state:
+        state = {"meter": {key: state[key] for key in ("names", "sums", "counted")} if "names" in state else None,
+                 "selection": state.get("selection"),
+                 "progress": {"step": meta["step"], "last_eval": meta["metrics"],
+                              "elapsed_s": state.get("elapsed_s", 0.0)}}
+    return state
 
 
-def _refuse_other_runs(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
-                       model: torch.nn.Module, steps_per_epoch: int) -> None:
-    _refuse_other_identity(folder, meta, config)
-    mismatch = _shape_mismatch(folder / "model.safetensors", accelerator.unwrap_model(model))
+def _refuse_other_shapes(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
+                         model: torch.nn.Module, steps_per_epoch: int) -> None:
+    mismatch = _shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
     if mismatch:
         raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "
                         f"{mismatch}; use another output_dir or resume=null")

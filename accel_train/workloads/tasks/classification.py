@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from accel_train.config import Config
-from accel_train.data import Data
 from accel_train.errors import UserError
-from accel_train.mixing import BatchMixer
-from accel_train.tasks.base import TASKS, Task, WithComputeArgs
+from accel_train.workloads.data import Data
+from accel_train.workloads.mixing import BatchMixer
+from accel_train.workloads.tasks.base import TASKS, Task, WithComputeArgs
 
 
 @TASKS.register("classification")
@@ -58,7 +58,7 @@ class ClassificationTask(Task):
         }
 
     def new_metric(self):
-        from accel_train.metrics import ClassificationMetrics, in_memory
+        from accel_train.workloads.metrics import ClassificationMetrics, in_memory
 
         return WithComputeArgs(in_memory(ClassificationMetrics), report_top5=self.report_top5)
 

@@ -9,28 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from accel_train.errors import say
-from accel_train.runs import duration, summarize
-
-
-@dataclass
-class Progress:
-    """Where training is; the loop alone changes it, observers read it."""
-
-    steps_per_epoch: int
-    total_steps: int
-    epoch: int = 0
-    step: int = 0  # optimizer steps taken
-    last_eval: dict = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)  # this process's start of the run (set-up included)
-    elapsed_before_s: float = 0.0  # what the run had taken up to the checkpoint it resumed from
-
-    def elapsed_s(self) -> float:
-        """Seconds the run has taken over all its resumes (time lost after a crash's last checkpoint not counted)."""
-        return self.elapsed_before_s + time.perf_counter() - self.started
+from accel_train.console import say
+from accel_train.run.progress import Progress
+from accel_train.run.records import duration, summarize
 
 
 class Observer:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from accel_train.config import Config
-from accel_train.data import Data
 from accel_train.errors import UserError
-from accel_train.imports import import_object, is_import_path
-from accel_train.registry import Registry
+from accel_train.import_paths import import_object, is_import_path
+from accel_train.workloads.data import Data
+from accel_train.workloads.registry import Registry
 
 REQUIRED = ("training_step", "eval_step", "new_metric")
 
@@ -23,8 +23,8 @@ class Task:
     def check_config(self, config: Config) -> None:
         """Before any data loads: reject names and import paths this task cannot build, and resolve what the
         config leaves to them (the pretrained weights' normalisation)."""
-        from accel_train.data import check_data_name
-        from accel_train.models import check_model, weights_normalization
+        from accel_train.workloads.data import check_data_name
+        from accel_train.workloads.models import check_model, weights_normalization
 
         check_data_name(config.data)
         check_model(config.model)
@@ -39,7 +39,7 @@ class Task:
     def build_model(self, config: Config, data: Data) -> nn.Module:
         """The model model.name names, for this data: a registered or torchvision model, or the user's by import
         path, called with num_classes and image_shape where it takes them, and model.args."""
-        from accel_train.models import build_model
+        from accel_train.workloads.models import build_model
 
         return build_model(config.model, data.num_classes, data.image_shape)
 
@@ -124,6 +124,6 @@ class WithComputeArgs:
 def mean_metric(*names: str) -> WithComputeArgs:
     """A metric for a Task's new_metric: the mean of each named per-sample value that eval_step returns, over
     exactly the evaluated samples at any world size, and num_samples."""
-    from accel_train.metrics import MeanValues, in_memory
+    from accel_train.workloads.metrics import MeanValues, in_memory
 
     return WithComputeArgs(in_memory(MeanValues, names))

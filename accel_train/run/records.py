@@ -10,68 +10,11 @@ import json
 from itertools import takewhile
 from pathlib import Path
 
-import yaml
+from accel_train.config import flatten
+from accel_train.run.layout import read_config, read_lines, read_starts
 
-from accel_train.config import CONFIG_FILE, flatten
-from accel_train.errors import UserError
-
-METRICS_FILE = "metrics.jsonl"
-STARTS_FILE = "starts.jsonl"  # one line per start of the run: fresh, resumed by hand, or restarted by the launcher
 START_FACTS = ("started", "host", "command")  # config.yaml's run.* facts of one start, different every time
 TIMING = ("samples_per_s", "elapsed_s", "time")  # measured, not computed: they differ between identical runs
-
-
-def is_run(folder: Path) -> bool:
-    return (folder / CONFIG_FILE).is_file() and (folder / METRICS_FILE).is_file()
-
-
-def find_runs(root: Path) -> list[Path]:
-    """`root` if it is a run folder, else every run folder under it (not looking inside runs)."""
-    if is_run(root):
-        return [root]
-    if not root.is_dir():
-        raise UserError(f"{root}: no such folder")
-    found = []
-    for child in sorted(p for p in root.iterdir() if p.is_dir()):
-        found += find_runs(child)
-    return found
-
-
-def run_folder(path: str, under: Path | None = None) -> Path:
-    """A run folder given by its path, or by its name under `under`."""
-    for folder in (Path(path), *([under / path] if under else [])):
-        if is_run(folder):
-            return folder
-    raise UserError(f"{path}: not a run folder (one holding {CONFIG_FILE} and {METRICS_FILE})")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """A JSON-lines file as written so far; a last line cut short by a crash ends it."""
-    lines = []
-    for text in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(text))
-        except ValueError:
-            break
-    return lines
-
-
-def read_lines(folder: Path) -> list[dict]:
-    """metrics.jsonl as written so far."""
-    return read_jsonl(folder / METRICS_FILE)
-
-
-def read_starts(folder: Path) -> list[dict]:
-    """starts.jsonl: when, where and from which step each start of the run began ([] for runs older than it)."""
-    path = folder / STARTS_FILE
-    return read_jsonl(path) if path.is_file() else []
-
-
-def read_config(folder: Path) -> dict:
-    try:
-        return yaml.safe_load((folder / CONFIG_FILE).read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"{folder / CONFIG_FILE} is not valid YAML: {err}".replace("\n", " ")) from None
 
 
 def eval_metrics(line: dict) -> dict:

@@ -1,23 +1,19 @@
 """An exponential moving average of the weights (train.ema_decay), through torch's AveragedModel.
 
 Every process holds the same average, since every process has the same weights after a step. BatchNorm
-buffers are averaged too (`use_buffers=True`). The average is registered with Accelerate for checkpointing,
-so resume is exact, and it is exported beside the model as model_ema.safetensors. The averaged model keeps
+buffers are averaged too (`use_buffers=True`). The average (`averaged`, a torch module) is one of the loop's
+stateful parts, saved with each checkpoint, so resume is exact; it is exported beside the model as
+model_ema.safetensors. The averaged model keeps
 its step counter on the CPU: updating it reads nothing back from the device.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from accelerate import Accelerator
-from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from accel_train.errors import UserError
-
-EMA_FILE = "model_ema.safetensors"
 
 
 class WeightsEMA:
@@ -27,7 +23,6 @@ class WeightsEMA:
         self.accelerator = accelerator
         self.averaged = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay),
                                       use_buffers=True)
-        accelerator.register_for_checkpointing(self.averaged)  # before load_state: a resume restores it
 
     @property
     def model(self) -> torch.nn.Module:
@@ -36,7 +31,3 @@ class WeightsEMA:
     def update(self, model: torch.nn.Module) -> None:
         """After each optimizer step (the first copies the weights)."""
         self.averaged.update_parameters(self.accelerator.unwrap_model(model))
-
-    def export(self, output_dir: str) -> None:
-        if self.accelerator.is_main_process:
-            save_model(self.model, str(Path(output_dir) / EMA_FILE))

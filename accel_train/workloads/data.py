@@ -26,10 +26,10 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
-from accel_train.distributed import dataloader_workers
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
-from accel_train.imports import check_call, import_object, is_given_object, is_import_path
-from accel_train.registry import Registry
+from accel_train.import_paths import check_call, import_object, is_given_object, is_import_path
+from accel_train.launch.distributed import dataloader_workers
+from accel_train.workloads.registry import Registry
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SYNTHETIC_TRAIN_SIZE, SYNTHETIC_EVAL_SIZE = 512, 256

@@ -9,121 +9,34 @@ Each problem is one line saying what to change; the exit code is 1 when there is
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from accel_train.errors import UserError
+from accel_train.installed import cpu_has_bf16, find_profile, list_profiles, version_problems, versions, visible_devices
+from accel_train.launch.rendezvous import store_answers
+from accel_train.launch.settings import (
+    Launch,
+    Report,
+    check_addressing,
+    launcher_ranks,
+    launcher_world_size,
+    resolve_launch,
+)
+
 PROBLEM_EXIT_CODE = 1
-CONFIG_KEYS = {"distributed_type": str, "num_processes": int, "num_machines": int, "machine_rank": int,
-               "main_process_ip": str, "main_process_port": int, "mixed_precision": str}
 
 
-@dataclass
-class Launch:
-    """The launch settings doctor checks, from flags > launcher environment > accelerate config file."""
-
-    config_file: str | None = None
-    distributed_type: str = "NO"
-    num_processes: int = 1
-    num_machines: int = 1
-    machine_rank: int = 0
-    main_process_ip: str | None = None
-    main_process_port: int = 29500
-    mixed_precision: str = "no"
-    under_launcher: bool = False
-    socket_interfaces: dict[str, str] = field(default_factory=dict)  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
 
 
-@dataclass
-class Report:
-    lines: list[tuple[str, str]] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    def info(self, topic: str, text: str) -> None:
-        self.lines.append((topic, text))
-
-    def problem(self, text: str) -> None:
-        self.problems.append(text)
 
 
-def find_config_file(given: str | None) -> Path | None:
-    """The file `accelerate launch` would read: --config_file, else Accelerate's default config, if present."""
-    if given:
-        return Path(given)
-    from accelerate.commands.config.config_args import default_config_file
-
-    return Path(default_config_file) if Path(default_config_file).is_file() else None
 
 
-def resolve_launch(args, report: Report) -> Launch:
-    import yaml
-
-    launch = Launch()
-    path = find_config_file(args.config_file)
-    if path is not None:
-        launch.config_file = str(path)
-        try:
-            config = yaml.safe_load(path.read_text()) or {}  # JSON (accelerate config default) is YAML too
-        except (OSError, yaml.YAMLError) as err:
-            report.problem(f"accelerate config {path} cannot be read ({str(err).splitlines()[0]}); "
-                           "fix the file or pass --config_file to a valid one (accelerate config default writes one)")
-            config = {}
-        if not isinstance(config, dict):
-            report.problem(f"accelerate config {path} is not a mapping of settings; regenerate it with "
-                           "accelerate config")
-            config = {}
-        for key, kind in CONFIG_KEYS.items():
-            if config.get(key) is not None:
-                try:
-                    setattr(launch, key, kind(config[key]))
-                except ValueError:
-                    report.problem(f"accelerate config {path}: {key}={config[key]!r} must be a whole number; fix it")
-    from accel_train.distributed import launcher_settings
-
-    launcher = launcher_settings()
-    if launcher.world_size:  # under accelerate launch / torchrun: what the launcher actually passed
-        launch.under_launcher = True
-        launch.num_processes = launcher.world_size
-        local = launcher.local_world_size or launch.num_processes
-        launch.num_machines = max(1, launch.num_processes // max(1, local))
-        launch.machine_rank = launcher.node_rank if launcher.node_rank is not None else launch.machine_rank
-        launch.main_process_ip = launcher.main_address or launch.main_process_ip
-        launch.main_process_port = launcher.main_port or launch.main_process_port
-    if launcher.mixed_precision:
-        launch.mixed_precision = launcher.mixed_precision
-    launch.socket_interfaces = launcher.socket_interfaces
-    for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"):
-        if getattr(args, key) is not None:
-            setattr(launch, key, getattr(args, key))
-    if args.mixed_precision is not None:
-        launch.mixed_precision = args.mixed_precision
-    return launch
 
 
-def cpu_has_bf16() -> bool:
-    """Whether oneDNN has native bf16 kernels here (AVX512-BF16 / AMX); without them autocast only emulates."""
-    import torch
 
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def visible_devices() -> tuple[str, str, list[str], str]:
-    """The device type ("cuda", "xpu" or "cpu"), its process-group backend, the device names, and one line
-    saying what is visible."""
-    import torch
-
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        return "cuda", "nccl", names, f"{len(names)} CUDA GPU(s): {', '.join(names)}"
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        names = [f"xpu:{i}" for i in range(torch.xpu.device_count())]
-        return "xpu", "xccl", names, f"{len(names)} Intel XPU(s)"
-    return "cpu", "gloo", [], f"no GPU visible; CPU with {os.cpu_count()} cores"
 
 
 def check_devices(launch: Launch, report: Report) -> str:
@@ -185,27 +98,6 @@ def route_source(host: str, port: int) -> str | None:
             return None
 
 
-def check_addressing(launch: Launch, report: Report) -> str | None:
-    """Process count, machine rank and main address of a multi-machine launch; machine 0's IP address, or None
-    when there is none to use."""
-    n, machines, rank = launch.num_processes, launch.num_machines, launch.machine_rank
-    if n % machines:
-        report.problem(f"num_processes={n} does not divide by num_machines={machines}: num_processes is the total over "
-                       f"all machines; set it to processes per machine x {machines}, "
-                       f"e.g. {max(1, n // machines) * machines}")
-    if not 0 <= rank < machines:
-        report.problem(f"machine_rank={rank} must be 0..{machines - 1}: give each node its own --machine_rank, 0 on "
-                       "the node at main_process_ip")
-    ip = launch.main_process_ip
-    if not ip:
-        report.problem("main_process_ip is not set: set it (or pass --main_process_ip) to machine 0's address that "
-                       "every node can reach")
-        return None
-    try:
-        return socket.gethostbyname(ip)
-    except OSError:
-        report.problem(f"main_process_ip={ip} does not resolve on this node; use machine 0's IP address instead")
-        return None
 
 
 def check_multi_node(launch: Launch, device: str, timeout: float, report: Report) -> None:
@@ -278,8 +170,6 @@ def connect(address: str, ip: str, port: int, timeout: float, report: Report) ->
         report.problem(f"cannot reach main_process_ip:port {ip}:{port} from this node ({why} after {timeout:g} s); "
                        "use machine 0's address on a network this node shares and open the port in its firewall")
         return f"{ip}:{port} unreachable"
-    from accel_train.launch import store_answers
-
     why = store_answers(address, port, timeout)
     if why is None:
         return f"{ip}:{port}: machine 0's rendezvous answers (a torch TCPStore)"
@@ -294,7 +184,7 @@ def check_process_group(timeout: float, report: Report) -> None:
     """Under a launcher: form the group exactly as training does and sum one number across it."""
     import torch
 
-    from accel_train.distributed import launcher_world_size, make_accelerator
+    from accel_train.launch.distributed import make_accelerator
 
     started = time.perf_counter()
     try:
@@ -316,8 +206,6 @@ def check_process_group(timeout: float, report: Report) -> None:
 
 
 def run(args) -> int:
-    from accel_train.errors import UserError
-    from accel_train.installed import find_profile, list_profiles, version_problems, versions
 
     report = Report()
     if args.config_file and not Path(args.config_file).exists():  # a shipped profile's name, or a mistake
@@ -327,8 +215,6 @@ def run(args) -> int:
                             f"({', '.join(list_profiles())})")
         args.config_file = str(profile)
     launch = resolve_launch(args, report)
-    from accel_train.distributed import launcher_ranks
-
     rank, local_rank = launcher_ranks()
     where = f"machine {launch.machine_rank} of {launch.num_machines}" if launch.num_machines > 1 else "single machine"
     report.info("node", f"{socket.gethostname()} ({where}{', under a launcher' if launch.under_launcher else ''})")
@@ -357,18 +243,4 @@ def run(args) -> int:
                    else f"{prefix}no problems found")
         print("\n".join(out), flush=True)
     return PROBLEM_EXIT_CODE if report.problems else 0
-
-
-def add_arguments(parser) -> None:
-    """The `accelerate launch` flags that decide whether a launch works, so doctor checks the same command."""
-    parser.add_argument("--config_file", help="accelerate config file, or the name of a shipped profile (accel-train "
-                        "profiles); default: Accelerate's default config if present")
-    parser.add_argument("--num_processes", type=int, help="total processes over all machines")
-    parser.add_argument("--num_machines", type=int)
-    parser.add_argument("--machine_rank", type=int, help="this node's rank, 0 on the main node")
-    parser.add_argument("--main_process_ip", help="machine 0's address")
-    parser.add_argument("--main_process_port", type=int)
-    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16", "fp8"])
-    parser.add_argument("--timeout", type=float, default=10.0,
-                        help="seconds to wait for the main node and the process group")
 

@@ -17,8 +17,8 @@ from accelerate import Accelerator
 from accelerate.utils import find_executable_batch_size, send_to_device
 
 from accel_train.config import Config, TrainConfig
-from accel_train.data import Data, make_loader
 from accel_train.errors import UserError
+from accel_train.workloads.data import Data, make_loader
 
 
 def divisors(number: int) -> list[int]:

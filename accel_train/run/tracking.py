@@ -14,9 +14,9 @@ from pathlib import Path
 from accel_train.config import Config, flatten
 from accel_train.errors import UserError
 from accel_train.installed import version_problems
-from accel_train.observers import Observer, Progress
+from accel_train.run.observers import Observer
+from accel_train.run.progress import Progress
 
-TRACKERS_DIR = "trackers"  # under output_dir: every tracker's local files (TensorBoard events, mlruns, .aim)
 PROJECT = "accel-train"  # the project (W&B, Aim) or experiment (MLflow); TensorBoard's folder under trackers/
 # train.log_with -> (the package it needs, how to get it)
 PACKAGES = {"tensorboard": ("tensorboard", "pip install 'accel-train[tensorboard]'"),
@@ -45,9 +45,6 @@ def tracker_names(log_with: str) -> list[str]:
 def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
-
-def trackers_dir(config: Config) -> str:
-    return str(Path(config.output_dir) / TRACKERS_DIR)
 
 
 class Trackers(Observer):

@@ -9,8 +9,6 @@ state, so a resumed run selects and stops as the uninterrupted one would.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,10 +16,10 @@ import torch
 from accelerate import Accelerator
 
 from accel_train.config import Config
-from accel_train.distributed import any_process
-from accel_train.errors import UserError, usual_permissions, writing
-
-BEST_FILE = "model_best.safetensors"
+from accel_train.errors import UserError
+from accel_train.launch.distributed import any_process
+from accel_train.run.layout import BEST_FILE
+from accel_train.run.weights import export
 
 
 @dataclass
@@ -59,7 +57,7 @@ class ModelSelection:
         """After an evaluation on the validation split, with the model it evaluated: export model_best.safetensors
         when best_metric improved; True when early stopping ends the run (on every process alike)."""
         if self.best is not None and self.best.metric in metrics and self.best.improves(metrics[self.best.metric]):
-            export_weights(self.accelerator, model, self.output_dir / BEST_FILE)
+            export(self.accelerator, model, self.output_dir / BEST_FILE)
         if self.early_stop is not None:
             if self.early_stop.metric not in metrics:
                 raise UserError(f"train.early_stop_metric={self.early_stop.metric} is not an eval metric (eval "
@@ -87,16 +85,3 @@ class ModelSelection:
                 watched.evaluations_without_improvement = saved["evaluations_without_improvement"]
         self.stopped = bool((state or {}).get("stopped")) and self.early_stop is not None
 
-
-def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> None:
-    """`model`'s weights as one safetensors file, through Accelerate's save_model (which gathers FSDP shards, so
-    every process calls it), written beside the target and renamed into place."""
-    staging = path.parent / f".{path.stem}"
-    with writing(path, f"exporting {path.name}"):
-        accelerator.save_model(model, str(staging))
-        # save_model lists the folder on every process: none may still be in it when the main one removes it.
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            usual_permissions(staging / "model.safetensors")
-            os.replace(staging / "model.safetensors", path)
-            shutil.rmtree(staging, ignore_errors=True)

@@ -16,8 +16,9 @@ import math
 import torch
 from accelerate import Accelerator
 
-from accel_train.errors import NonFiniteError, warn
-from accel_train.observers import Progress
+from accel_train.console import warn
+from accel_train.errors import NonFiniteError
+from accel_train.run.observers import Progress
 
 
 def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | None:

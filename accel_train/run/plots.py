@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from accel_train.runs import eval_metrics, read_lines
+from accel_train.run.layout import read_lines
+from accel_train.run.records import eval_metrics
 
-CURVES_FILE = "curves.png"
 NOT_PLOTTED = {"lr"}  # a panel of its own
 SPLIT_STYLE = {"val": {"linestyle": "-", "marker": "o"}, "test": {"linestyle": "--", "marker": "x"}}
 

@@ -10,15 +10,21 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from accel_train.checkpoint import ResumePoint, checkpoints_dir, read_meta
-from accel_train.config import Config, refuse_contradictions, save_config
-from accel_train.distributed import launcher_restarts
+from accel_train.config import Config, save_config
 from accel_train.errors import UserError, storage_error, writing
-from accel_train.observers import Observer, Progress
-from accel_train.runs import CONFIG_FILE, METRICS_FILE, STARTS_FILE, read_config
-
-MODEL_FILE = "model.safetensors"
-CLASSES_FILE = "classes.json"  # the class names, so predict needs nothing but the run folder
+from accel_train.launch.settings import launcher_restarts
+from accel_train.run.checkpoint import ResumePoint
+from accel_train.run.layout import (
+    CLASSES_FILE,
+    CONFIG_FILE,
+    CURVES_FILE,
+    METRICS_FILE,
+    STARTS_FILE,
+    checkpoints_dir,
+    held_results,
+)
+from accel_train.run.observers import Observer
+from accel_train.run.progress import Progress
 
 
 def check_output_dir(config: Config) -> None:
@@ -61,57 +67,16 @@ def command_line() -> str:
     return shlex.join([*(["python", "-m", "accel_train"] if program == "__main__.py" else [program]), *sys.argv[1:]])
 
 
-def run_of(checkpoint: str) -> Path | None:
-    """The run folder (the one holding config.yaml) that weights at `checkpoint` belong to: the folder itself,
-    the folder of a model file, or the run two folders up from one of its checkpoints."""
-    folder = _weights_folder(checkpoint)
-    candidates = [folder, folder.parent.parent] if folder.parent.name == "checkpoints" else [folder]
-    return next((run for run in candidates if (run / CONFIG_FILE).is_file()), None)
 
 
-def _weights_folder(checkpoint: str) -> Path:
-    """The folder a model file is in, or the folder given."""
-    path = Path(checkpoint)
-    return path.parent if path.is_file() else path
 
 
-def refuse_other_settings(config: Config, checkpoint: str, command: str) -> None:
-    """`config` may differ from what the weights at `checkpoint` were trained with only where that does not change
-    what they mean (data.root, data.eval_subset, train.eval_batch_size, ...): the same check as resume's."""
-    meta, run = read_meta(_weights_folder(checkpoint)), run_of(checkpoint)
-    recorded = meta["config"] if meta is not None else read_config(run) if run is not None else None
-    if recorded is not None:
-        refuse_contradictions(recorded, config, f"{command}: {checkpoint} was trained with other settings",
-                              "these change what the weights mean: leave them out (the run folder alone gives "
-                              f"its own: accel-train {command} {run or checkpoint} ...)")
 
 
-def check_split(split: str) -> None:
-    if split not in ("test", "val"):
-        raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
 
 
-def results_of(config: Config, has_classes: bool, tracking: bool) -> list[str]:
-    """What a finished run leaves in its output_dir, for the summary it prints."""
-    from accel_train.ema import EMA_FILE
-    from accel_train.plots import CURVES_FILE
-    from accel_train.selection import BEST_FILE
-
-    files = [MODEL_FILE, *([EMA_FILE] if config.train.ema_decay else []),
-             *([BEST_FILE] if config.checkpoint.best_metric else []), METRICS_FILE,
-             *([CURVES_FILE] if config.train.plot else []), CONFIG_FILE, STARTS_FILE,
-             *([CLASSES_FILE] if has_classes else []),
-             *(["checkpoints/"] if config.checkpoint.at_epoch_end or config.checkpoint.every_steps else [])]
-    return files + (["trackers/"] if tracking else [])
 
 
-def held_results(folder: Path) -> list[str]:
-    """What of a run's results `folder` holds."""
-    held = [name for name in (CONFIG_FILE, METRICS_FILE, MODEL_FILE, CLASSES_FILE) if (folder / name).exists()]
-    checkpoints = checkpoints_dir(folder)
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        held.append("checkpoints/")
-    return held
 
 
 def lines_up_to(lines: list[str], point: ResumePoint) -> list[str]:
@@ -170,7 +135,7 @@ class RunFolder(Observer):
         self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics}, progress)
 
     def on_train_end(self, progress: Progress) -> None:
-        from accel_train.plots import CURVES_FILE, plot_runs
+        from accel_train.run.plots import plot_runs
 
         self.metrics.close()
         if not self.config.train.plot:

@@ -1,4 +1,4 @@
-"""Process-group concerns live here, and no other module reads ranks or environment variables.
+"""Process-group concerns live here; ranks and the environment are read in settings.py alone.
 
 Forming the group on whatever hardware is present, launch checks (world size, batch splits), stop signals and
 the few collectives the loop's decisions need. The rest of the package sees an `Accelerator` and calls
@@ -11,11 +11,21 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from accel_train.errors import LaunchError, UserError, say
+from accel_train.console import say
+from accel_train.errors import LaunchError, UserError
+from accel_train.launch.settings import (
+    is_reporting_process,
+    launcher_ranks,
+    launcher_restarts,
+    launcher_settings,
+    launcher_world_size,
+    requested_mixed_precision,
+    uses_agent_store,
+    wants_fsdp,
+)
 
 if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report errors without them
     import torch
@@ -28,21 +38,10 @@ def has_accelerator_device() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
-def launcher_world_size() -> int | None:
-    """The world size torchrun / accelerate launch asked for, or None when run as a plain process."""
-    value = os.environ.get("WORLD_SIZE")
-    return int(value) if value else None
 
 
-def launcher_ranks() -> tuple[int, int]:
-    """(global rank, rank on this node) the launcher gave this process; (0, 0) for a plain process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def launcher_restarts() -> tuple[int, int]:
-    """(restarts of the worker group so far, restarts allowed) under torchrun / accelerate launch --max_restarts;
-    (0, 0) for a plain process. A restart is the launcher starting every process again after one failed."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
 
 
 def dataloader_workers(requested: int | str) -> int:
@@ -51,12 +50,9 @@ def dataloader_workers(requested: int | str) -> int:
     if requested != "auto":
         return int(requested)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return min(8, cores // (launcher_settings().local_world_size or 1))
 
 
-def is_reporting_process() -> bool:
-    """True on the one process that should print user errors raised before the Accelerator exists."""
-    return launcher_ranks()[0] == 0
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),
@@ -74,7 +70,7 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
 
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
-    requested = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    requested = requested_mixed_precision()
     if use_cpu and requested == "fp16":
         if is_reporting_process():
             print("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32", file=sys.stderr)
@@ -112,24 +108,21 @@ def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float) -> N
     import torch
 
     restart, _ = launcher_restarts()
-    env = os.environ
-    if not restart or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not restart or not uses_agent_store():
         return
     if not use_cpu and not torch.cuda.is_available():  # other accelerators: Accelerate forms the group as before
         return
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    launcher = launcher_settings()
+    agent_store = dist.TCPStore(launcher.main_address, launcher.main_port, is_master=False, timeout=timeout)
     # On GPUs NCCL for CUDA tensors and gloo for CPU ones, as Accelerate's own FSDP-offload group has
     dist.init_process_group("gloo" if use_cpu else "cuda:nccl,cpu:gloo",
                             store=dist.PrefixStore(f"accel_train/restart_{restart}", agent_store),
-                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+                            rank=launcher_ranks()[0], world_size=launcher.world_size, timeout=timeout)
 
 
-def wants_fsdp() -> bool:
-    """Whether the launch profile asks for FSDP (accelerate launch exports its fsdp_config this way)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:
@@ -267,67 +260,21 @@ class StopSignals:
                 f"{saved}; run the same command with resume=auto to continue")
 
 
-LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                      "MASTER_ADDR", "MASTER_PORT")
 
 
-@dataclass
-class LauncherSettings:
-    """What a launcher (torchrun, accelerate launch) told this process, for doctor; None outside a launcher."""
-
-    world_size: int | None
-    local_world_size: int | None
-    node_rank: int | None
-    main_address: str | None
-    main_port: int | None
-    mixed_precision: str | None
-    socket_interfaces: dict[str, str]  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME as set here
 
 
-def launcher_settings() -> LauncherSettings:
-    env = os.environ
 
-    def number(name: str) -> int | None:
-        return int(env[name]) if env.get(name) else None
-
-    return LauncherSettings(
-        world_size=launcher_world_size(),
-        local_world_size=number("LOCAL_WORLD_SIZE"),
-        node_rank=number("GROUP_RANK") if env.get("GROUP_RANK") else number("NODE_RANK"),
-        main_address=env.get("MASTER_ADDR") or None,
-        main_port=number("MASTER_PORT"),
-        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION") or None,
-        socket_interfaces={name: env[name] for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if env.get(name)},
-    )
-
-
-def plain_process_env(threads: int | None = None) -> dict:
-    """Environment for a run started by accel-train itself (the bench): a plain process, fixed thread count."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
 
 
 def run_info(accelerator: Accelerator) -> dict:
     """How this run was launched, written beside its results."""
-    import accelerate
-    import torch
-    import torchvision
-
-    import accel_train
+    from accel_train.installed import versions
 
     return {
         "world_size": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "device": accelerator.device.type,
         "mixed_precision": accelerator.mixed_precision,
-        "versions": {
-            "accel_train": accel_train.__version__,
-            "python": sys.version.split()[0],
-            "torch": str(torch.__version__),
-            "torchvision": str(torchvision.__version__),
-            "accelerate": accelerate.__version__,
-        },
+        "versions": {name.replace("-", "_"): version for name, version in versions().items()},
     }

@@ -1,0 +1,59 @@
+"""Evaluation: metrics over exactly the eval set at any world size, during training and of exported weights."""
+
+from __future__ import annotations
+
+import torch
+
+from accel_train.config import Config
+from accel_train.errors import UserError
+from accel_train.launch.distributed import make_accelerator, round_up_to_world
+from accel_train.run.weights import load_weights, read_weights, weights_file
+from accel_train.training.ema import WeightsEMA
+from accel_train.workloads.data import build_dataset, hold_out_validation, make_loader
+from accel_train.workloads.tasks import Task, task_named
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) -> dict:
+    """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch.
+    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*."""
+    model.eval()
+    metric = task.new_metric()
+    for batch in loader:
+        with accelerator.autocast():  # the EMA's module is not prepared, so not autocast by Accelerate
+            metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
+    metrics = metric.compute()
+    if ema is None:
+        return metrics
+    raw = {f"raw_{name}": value for name, value in metrics.items() if name != "num_samples"}
+    return {**evaluate(accelerator, ema.model, task, loader), **raw}
+
+
+def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,
+                        model: torch.nn.Module | None = None, eval_dataset=None, split: str = "test") -> dict:
+    """`accel-train eval`: load exported weights (safetensors) and evaluate them on the test (or validation)
+    split. The metrics come with `num_processes`, the world size that computed them: the same metrics from any
+    world size is the contract, and a launch that formed no process group would show 1 here (if the world-size
+    check let it run)."""
+    task = task if task is not None else task_named(config.task)
+    task.check_config(config)
+    state = read_weights(weights_file(checkpoint))
+    accelerator = make_accelerator(config.seed)
+    with accelerator.local_main_process_first():
+        if split == "val":
+            eval_data = hold_out_validation(config.data, config.seed, build_dataset(config.data, train=True))[1]
+            if eval_data is None:
+                raise UserError(f"split=val: {checkpoint} was trained without a validation split "
+                                "(data.val_fraction=0 and no val/ folder); evaluate split=test")
+        else:
+            eval_data = build_dataset(config.data, train=False, given=eval_dataset)
+    task.setup(config, eval_data)
+    model = load_weights(model if model is not None else task.build_model(config, eval_data), state, checkpoint,
+                         f"model.name={config.model.name} on {config.data.name}")
+    eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
+                              False, accelerator.device)
+    model, eval_loader = accelerator.prepare(model, eval_loader)
+    metrics = evaluate(accelerator, model, task, eval_loader)
+    accelerator.end_training()
+    return {**metrics, "num_processes": accelerator.num_processes}
+
