@@ -44,8 +44,6 @@ def split_arguments(argv: list[str]) -> tuple[float, list[str]]:
     return JOIN_TIMEOUT_S, list(argv)
 
 
-
-
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: {USAGE}\n\n{__doc__.strip()}")
@@ -133,10 +131,6 @@ def join(ip: str, port: int, rank: int, machines: int, deadline: float, give_up:
                           "0 on the main node")
     store.set(f"{KEY}/machine/{rank}", socket.gethostname())
     return store
-
-
-
-
 
 
 def leave(store, rank: int, machines: int) -> None:

@@ -38,12 +38,6 @@ def has_accelerator_device() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
-
-
-
-
-
-
 def dataloader_workers(requested: int | str) -> int:
     """data.num_workers: a number as given; auto, the CPU cores this process may use divided among the processes
     on this machine (torch warns above the cores it sees), at most 8."""
@@ -51,8 +45,6 @@ def dataloader_workers(requested: int | str) -> int:
         return int(requested)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(8, cores // (launcher_settings().local_world_size or 1))
-
-
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),
@@ -121,8 +113,6 @@ def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float) -> N
     dist.init_process_group("gloo" if use_cpu else "cuda:nccl,cpu:gloo",
                             store=dist.PrefixStore(f"accel_train/restart_{restart}", agent_store),
                             rank=launcher_ranks()[0], world_size=launcher.world_size, timeout=timeout)
-
-
 
 
 def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:
@@ -258,13 +248,6 @@ class StopSignals:
     def stop_message(self, step: int, saved) -> str:
         return (f"stopped by {self.received or 'a signal to another process'} at step {step}; checkpoint saved in "
                 f"{saved}; run the same command with resume=auto to continue")
-
-
-
-
-
-
-
 
 
 def run_info(accelerator: Accelerator) -> dict:

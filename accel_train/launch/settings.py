@@ -60,7 +60,7 @@ LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
 
 @dataclass
 class LauncherSettings:
-    """What a launcher (torchrun, accelerate launch) told this process, for doctor; None outside a launcher."""
+    """What a launcher (torchrun, accelerate launch) told this process; each field None outside a launcher."""
 
     world_size: int | None
     local_world_size: int | None

@@ -141,7 +141,7 @@ class Checkpoints:
 
     def save(self, progress: Progress, evaluated: bool) -> Path:
         accelerator, name = self.accelerator, f"step-{progress.step:08d}"
-        loop_state = {name: part.state_dict() for name, part in self.states.items()}
+        loop_state = {part_name: part.state_dict() for part_name, part in self.states.items()}
         partial = self.directory / f"{PARTIAL_PREFIX}{name}"
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
             if accelerator.is_main_process:
@@ -228,7 +228,7 @@ class Checkpoints:
         for folder, meta in reversed(candidates):
             if folder != candidates[-1][0]:  # the newest was checked before any data loaded (check_resume)
                 _refuse_other_identity(folder, meta, config)
-            _refuse_other_shapes(folder, meta, config, accelerator, model, steps_per_epoch)
+            _refuse_what_cannot_continue(folder, meta, config, accelerator, model, steps_per_epoch)
             trouble, error = _damage(folder, meta), None
             if trouble is None:
                 trouble, error = _load(accelerator, folder)
@@ -294,8 +294,9 @@ def _read_loop_state(folder: Path, process: int, meta: dict) -> dict:
     return state
 
 
-def _refuse_other_shapes(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
-                         model: torch.nn.Module, steps_per_epoch: int) -> None:
+def _refuse_what_cannot_continue(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
+                                 model: torch.nn.Module, steps_per_epoch: int) -> None:
+    """A checkpoint whose tensors, world size or steps per epoch this run cannot continue from."""
     mismatch = _shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
     if mismatch:
         raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "

@@ -46,7 +46,6 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-
 class Trackers(Observer):
     """Feeds Accelerate's trackers on the main process; Accelerator.end_training closes them."""
 

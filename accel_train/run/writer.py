@@ -67,18 +67,6 @@ def command_line() -> str:
     return shlex.join([*(["python", "-m", "accel_train"] if program == "__main__.py" else [program]), *sys.argv[1:]])
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def lines_up_to(lines: list[str], point: ResumePoint) -> list[str]:
     """The lines of metrics.jsonl that a checkpoint had seen: up to its step, with that step's eval line only if
     the checkpoint followed the evaluation. A line cut short by a crash ends the file there."""

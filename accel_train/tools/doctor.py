@@ -28,17 +28,6 @@ from accel_train.launch.settings import (
 PROBLEM_EXIT_CODE = 1
 
 
-
-
-
-
-
-
-
-
-
-
-
 def check_devices(launch: Launch, report: Report) -> str:
     """Report devices, backend and mixed precision; return the device type ("cuda", "xpu" or "cpu")."""
     import torch
@@ -96,8 +85,6 @@ def route_source(host: str, port: int) -> str | None:
             return sock.getsockname()[0]
         except OSError:
             return None
-
-
 
 
 def check_multi_node(launch: Launch, device: str, timeout: float, report: Report) -> None:

@@ -55,8 +55,6 @@ class ImageFiles(Dataset):
         return self.convert(load_image(str(self.files[index]))), index
 
 
-
-
 def predict(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
             model: torch.nn.Module | None = None) -> list[dict]:
     """Rows {"path", "labels", "scores"} for every input file, sorted by path; written as CSV to `output`."""
