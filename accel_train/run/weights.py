@@ -34,7 +34,7 @@ def export(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> None
             for file in files:
                 os.replace(file, path if file.name == MODEL_FILE else path.parent / file.name)
             shutil.rmtree(staging, ignore_errors=True)
-        accelerator.wait_for_everyone()
+        accelerator.wait_for_everyone()  # on every process, the file is in place once export returns
 
 
 def weights_file(checkpoint: str) -> Path:
