@@ -24,6 +24,10 @@ from pathlib import Path
 
 import pytest
 
+# torch's import asks ldconfig once for system libraries (cuda.pathfinder): done here, before any test, so that the
+# test that happens to import torch first is not taken for one that starts a process.
+import torch  # noqa: F401
+
 from accel_train.run.records import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,8 +79,6 @@ def evaluate_in_process(recipe: str, checkpoint: Path, *overrides: str) -> dict:
 
 
 def _one_thread(function, *args):
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -160,7 +162,6 @@ def assert_same_run(out: Path, reference: Path, weights: tuple[str, ...] = ("mod
 
 def assert_same_weights(out: Path, reference: Path, weights: tuple[str, ...] = ("model.safetensors",)) -> None:
     """Every weights file bit for bit."""
-    import torch
     from safetensors.torch import load_file
 
     for name in weights:
@@ -343,7 +344,6 @@ class CropFinder:
     DataLoader worker's random state is then observed in what the model received, not in how it was drawn."""
 
     def __init__(self, images, mean, std, padding: int) -> None:
-        import torch
         import torch.nn.functional as F
 
         self.mean, self.std = mean.cpu().view(1, -1, 1, 1), std.cpu().view(1, -1, 1, 1)
@@ -359,8 +359,6 @@ class CropFinder:
 
     def __call__(self, inputs) -> list[list | None]:
         """[index, top, left, flip] for each normalised model input of a batch; None where no crop matches."""
-        import torch
-
         pixels = ((inputs.detach().float().cpu() * self.std + self.mean) * 255).round().clamp(0, 255)
         return [self.table.get(image.to(torch.uint8).contiguous().numpy().tobytes()) for image in pixels]
 

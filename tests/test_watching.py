@@ -4,6 +4,7 @@ prints progress without a terminal and a summary at the end."""
 
 import json
 import re
+import time
 
 import numpy as np
 import pytest
@@ -41,8 +42,13 @@ def scalars_of_metrics_jsonl(out) -> dict[str, list[tuple[int, float]]]:
 def test_tensorboard_holds_the_scalars_of_metrics_jsonl_at_their_steps_also_after_a_crash_and_resume(
         tmp_path, monkeypatch, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
 
     out = tmp_path / "run"
+    # TensorBoard reads a run's event files in name order: the second each was opened, then a counter of this
+    # process. The counter is set so that the resumed run's number sorts first ("...10" before "...8"), as it did
+    # in a CI run by chance when both runs opened their files within one second.
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(8))
     # The run dies after its step-8 checkpoint and is resumed from step 6: what it logged at steps 7 and 8
     # must not stay twice in TensorBoard (nor in metrics.jsonl).
     crash_after_checkpoint_then_resume(monkeypatch, 8, *RUN, "train.epochs=2", "checkpoint.every_steps=4",
@@ -246,3 +252,12 @@ def test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar(tmp_path):
     assert len(messages) == 5 and all(re.fullmatch(r"checkpoint step \d+ saved in demo/checkpoints/step-\d+ .*|"
                                                    r"epoch 0 step 20 test: num_samples 500, .*", line)
                                       for line in messages), lines
+
+
+def test_a_resume_opens_its_tensorboard_events_after_the_second_of_the_earlier_ones(tmp_path):
+    from accel_train.run.tracking import after_earlier_events
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now:010d}.host.1.8").write_bytes(b"")
+    after_earlier_events(tmp_path)
+    assert time.time() >= now + 1  # the next file's name starts with a later second, so it sorts after

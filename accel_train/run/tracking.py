@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 from accel_train.config import Config, flatten
 from accel_train.errors import UserError
 from accel_train.installed import version_problems
+from accel_train.run.layout import trackers_dir
 from accel_train.run.observers import Observer
 from accel_train.run.progress import Progress
 
@@ -59,6 +61,7 @@ class Trackers(Observer):
         if self.resumed_here:
             # As metrics.jsonl drops the lines written after the checkpoint, TensorBoard drops those events.
             init_kwargs["tensorboard"] = {"purge_step": progress.step + 1}
+            after_earlier_events(trackers_dir(self.config.output_dir) / PROJECT)
         self.accelerator.init_trackers(PROJECT, config=hyperparameters(self.config, self.launch_info),
                                        init_kwargs=init_kwargs)
 
@@ -67,6 +70,18 @@ class Trackers(Observer):
 
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
         self.accelerator.log(scalars(split, metrics), step=progress.step)
+
+
+def after_earlier_events(folder: Path) -> None:
+    """Wait, if need be, until a second later than that of the newest TensorBoard events file in `folder`.
+
+    TensorBoard reads a run's event files in name order, and a name is the second it was opened, then a counter
+    of the process ("...10" sorts before "...8"): a resume within the second of the run before it (in the same
+    Python process) could be read first, and the earlier file's steps would then purge its events."""
+    seconds = [int(path.name.split(".")[3]) for path in folder.glob("events.out.tfevents.*")
+               if path.name.split(".")[3].isdigit()]
+    if seconds:
+        time.sleep(max(0.0, max(seconds) + 1 - time.time()))
 
 
 def scalars(split: str, values: dict) -> dict[str, float]:
