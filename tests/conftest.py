@@ -53,7 +53,8 @@ def free_port() -> int:
 def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("WORLD_SIZE", None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **(extra or {}))
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+                **(extra or {})})
     return env
 
 
@@ -121,13 +122,13 @@ def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", time
     return result
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen:
+def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`. Ctrl-C acts
     as in a terminal: pytest-xdist's workers ignore SIGINT, and a child would inherit that."""
     import signal
 
     with open(log, "w") as handle:
-        return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True,
+        return subprocess.Popen(command, cwd=REPO, env=_env(env), stdout=handle, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
