@@ -14,6 +14,7 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `dropout`: for each training forward pass of the model's first dropout layer, a digest of the random state
   it draws its mask from (the masks themselves also depend on which inputs are zero, which differ anyway);
 - `meter`: the loss and the skip flag of every optimizer step, as the train-line meter received them;
+- `step_lr`: [optimizer step, LR it applied] for every optimizer step of the run;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
 The recorders never change what the run computes.
@@ -55,7 +56,8 @@ from accel_train.workloads import data
 from conftest import crops_of_training_batches
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "crops": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
+record = {"batches": [], "crops": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": [],
+          "step_lr": []}
 
 _make_loader, _getitems = loop.make_loader, data.InMemoryImages.__getitems__
 
@@ -147,6 +149,18 @@ def record_dropout_and_meter() -> None:
         return update(self, terms, skipped)
 
     torch.nn.Dropout.forward, TrainMeter.update = dropout_and_record, update_and_record
+
+
+def record_step_lr() -> None:
+    from accel_train.training.guard import NonFiniteGuard
+
+    guarded_step = NonFiniteGuard.step
+
+    def step_and_record(self, optimizer, terms, grad_norm, step):
+        record["step_lr"].append([step, optimizer.param_groups[0]["lr"]])
+        return guarded_step(self, optimizer, terms, grad_norm, step)
+
+    NonFiniteGuard.step = step_and_record
 
 
 def signals_at(step: int) -> None:
@@ -312,6 +326,7 @@ if __name__ == "__main__":
         record_gradient_allreduce()
         record_saves()
         record_dropout_and_meter()
+        record_step_lr()
     try:
         with crops_of_training_batches(record["crops"]) if out and os.environ.get("PROBE_CROPS") else nullcontext():
             cli.main(sys.argv[1:])

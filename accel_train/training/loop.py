@@ -210,8 +210,9 @@ def main_process_observers(config: Config, accelerator, task, start, classes, tr
         return Observers([])
     info = run_info(accelerator)
     restart, max_restarts = launcher_restarts()
+    change = start.world_size_change(info["world_size"])
     headline = (f"training {config.model.name} on {config.data.name}: {info['world_size']} process(es), "
-                f"{info['device']}, mixed precision {info['mixed_precision']}"
+                f"{f'{change}, ' if change else ''}{info['device']}, mixed precision {info['mixed_precision']}"
                 f"{f', restart {restart} of at most {max_restarts} by the launcher' if restart else ''}")
     files = results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
                        curves=config.train.plot, classes=classes is not None,
