@@ -179,6 +179,14 @@ MUTATIONS = [
              "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
              "loader.dataset.set_epoch(0, seed)",
              ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
+    # writer.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
+    Mutation("starts.jsonl records no world size (a job that lost a machine looks like one that did not)",
+             "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
+             ("tests/test_elastic.py::-k killed",)),
+    # settings.py, launch_settings: accelerate launch takes one number of machines; a range asks for torchrun.
+    Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
+             "accel_train/launch/settings.py", "    refuse_a_range_of_machines(arguments[:target])\n", "",
+             ("tests/test_multi_machine_start.py::-k range",)),
 ]
 
 
