@@ -182,11 +182,13 @@ MUTATIONS = [
     # writer.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
     Mutation("starts.jsonl records no world size (a job that lost a machine looks like one that did not)",
              "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
-             ("tests/test_elastic.py::-k killed",)),
+             ("tests/test_elastic.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
+              "finishes[killed]",)),
     # settings.py, launch_settings: accelerate launch takes one number of machines; a range asks for torchrun.
     Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
              "accel_train/launch/settings.py", "    refuse_a_range_of_machines(arguments[:target])\n", "",
-             ("tests/test_multi_machine_start.py::-k range",)),
+             ("tests/test_multi_machine_start.py::test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_"
+              "the_elastic_torchrun_command",)),
 ]
 
 
