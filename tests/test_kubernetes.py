@@ -42,7 +42,7 @@ def operator_environment(job: dict) -> dict[str, str]:
     elastic, workers = spec["elasticPolicy"], spec["pytorchReplicaSpecs"]["Worker"]
     env = {variable["name"]: variable["value"] for variable in container.get("env", [])}
     env["PYTHONUNBUFFERED"] = "1"
-    # MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK and PET_NODE_RANK come only with a Master replica.
+    # MASTER_ADDR, MASTER_PORT (and their PET_ twins), WORLD_SIZE, RANK and PET_NODE_RANK come only with a Master.
     assert "Master" not in spec["pytorchReplicaSpecs"]
     env["PET_NPROC_PER_NODE"] = spec.get("nprocPerNode", "auto")  # defaulted to auto when elasticPolicy has none
     port = next((port["containerPort"] for port in container.get("ports", []) if port["name"] == PORT_NAME),
