@@ -392,6 +392,28 @@ def crops_of_training_batches(into: list):
         yield into
 
 
+@contextmanager
+def inputs_of_training_batches(into: list):
+    """While inside, each training batch a classification model receives (this process's share) appends
+    [epoch, [[label, digest of the input] for each sample]] to `into`: with labels that are the samples' indices,
+    what each sample looked like after its transforms, bit for bit. The run computes what it would."""
+    import hashlib
+
+    from accel_train.workloads.tasks.classification import ClassificationTask
+
+    mix_batch = ClassificationTask.mix_batch
+
+    def record_then_mix(self, batch, epoch, number):
+        inputs, labels = batch[0].detach().cpu(), batch[1].tolist()
+        into.append([epoch, [[label, hashlib.sha1(sample.contiguous().numpy().tobytes()).hexdigest()[:16]]
+                             for label, sample in zip(labels, inputs)]])
+        return mix_batch(self, batch, epoch, number)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ClassificationTask, "mix_batch", record_then_mix)
+        yield into
+
+
 # Every process a test starts ends with the test. Whatever starts it (the helpers above, a test's own subprocess
 # call, a library), a process started through subprocess gets a token in its environment, and its descendants
 # inherit it: a launcher's workers too, though torch's launchers start each worker in a session of its own, so that

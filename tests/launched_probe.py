@@ -7,6 +7,9 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
 - `crops` (with PROBE_CROPS=1 too): for each training batch the model received, its epoch and the sample index,
   crop offsets and flip of each image, found from the pixels (conftest.CropFinder; small noise datasets only);
+- `inputs` (with PROBE_INPUTS=1 too): for each training batch the model received, its epoch and the label and a
+  digest of each input (conftest.inputs_of_training_batches; with labels that are sample indices, what each
+  sample's transforms drew);
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses;
 - `eval_sets`: for each evaluation loader (validation, test), the (label, pixel sum) of each of its samples;
@@ -46,18 +49,18 @@ import json
 import math
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 
 from accel_train import cli
 from accel_train.training import loop
 from accel_train.workloads import data
-from conftest import crops_of_training_batches
+from conftest import crops_of_training_batches, inputs_of_training_batches
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "crops": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": [],
-          "step_lr": []}
+record = {"batches": [], "crops": [], "inputs": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [],
+          "meter": [], "step_lr": []}
 
 _make_loader, _getitems = loop.make_loader, data.InMemoryImages.__getitems__
 
@@ -328,7 +331,11 @@ if __name__ == "__main__":
         record_dropout_and_meter()
         record_step_lr()
     try:
-        with crops_of_training_batches(record["crops"]) if out and os.environ.get("PROBE_CROPS") else nullcontext():
+        with ExitStack() as recorders:
+            if out and os.environ.get("PROBE_CROPS"):
+                recorders.enter_context(crops_of_training_batches(record["crops"]))
+            if out and os.environ.get("PROBE_INPUTS"):
+                recorders.enter_context(inputs_of_training_batches(record["inputs"]))
             cli.main(sys.argv[1:])
     except SystemExit as exit:
         if exit.code:

@@ -8,7 +8,9 @@ What survives a resume beside the model, optimizer and scheduler is one mapping 
 once (`Checkpoints(config, accelerator, states={"progress": ..., "meter": ..., ...})`, as torchtitan's
 CheckpointManager takes them): a part with tensors (a torch module, such as the EMA of the weights) is saved
 with Accelerate's state, any other part's `state_dict()` goes into that process's loop_state_P.json. Resume
-loads every part in place; adding a part is one entry.
+loads every part in place; adding a part is one entry. A checkpoint resumes at another world size: a part whose
+state differs per process (the train meter's partial sums) says how the saved processes' states merge
+(`merge_states`); any other part is the same on every process.
 
 A checkpoint is written as `.partial-step-N` and renamed when complete, so a crash at any moment leaves the
 previous checkpoints or the complete new one. Checkpoints are found and ordered by

@@ -179,6 +179,12 @@ MUTATIONS = [
              "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
              "loader.dataset.set_epoch(0, seed)",
              ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
+    # data.py, KeyedSamples: the epoch in the key that seeds each sample's transforms wherever a DataLoader serves
+    # samples one by one (ImageFolder, data.on_device=false, a user's dataset); sample_keys itself stays whole.
+    Mutation("the per-sample key ignores the epoch (per-sample transforms: KeyedSamples)",
+             "accel_train/workloads/data.py", "keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()",
+             "keys = sample_keys(torch.as_tensor(indices), 0, seed).tolist()",
+             ("tests/test_data_paths.py::test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch",)),
     # writer.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
     Mutation("starts.jsonl records no world size (a job that lost a machine looks like one that did not)",
              "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
