@@ -123,8 +123,9 @@ def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", time
 
 
 def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`. Ctrl-C acts
-    as in a terminal: pytest-xdist's workers ignore SIGINT, and a child would inherit that."""
+    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`, `env` adds to
+    the test environment. Ctrl-C acts as in a terminal: pytest-xdist's workers ignore SIGINT, and a child would
+    inherit that."""
     import signal
 
     with open(log, "w") as handle:
