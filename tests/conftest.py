@@ -53,7 +53,8 @@ def free_port() -> int:
 def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("WORLD_SIZE", None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **(extra or {}))
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+                **(extra or {})})
     return env
 
 
@@ -121,13 +122,14 @@ def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", time
     return result
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`. Ctrl-C acts
-    as in a terminal: pytest-xdist's workers ignore SIGINT, and a child would inherit that."""
+def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start a command without waiting (to signal or kill it mid-run); stdout and stderr go to `log`, `env` adds to
+    the test environment. Ctrl-C acts as in a terminal: pytest-xdist's workers ignore SIGINT, and a child would
+    inherit that."""
     import signal
 
     with open(log, "w") as handle:
-        return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True,
+        return subprocess.Popen(command, cwd=REPO, env=_env(env), stdout=handle, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
@@ -387,6 +389,28 @@ def crops_of_training_batches(into: list):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop, "make_loader", make_loader_and_finder)
+        patch.setattr(ClassificationTask, "mix_batch", record_then_mix)
+        yield into
+
+
+@contextmanager
+def inputs_of_training_batches(into: list):
+    """While inside, each training batch a classification model receives (this process's share) appends
+    [epoch, [[label, digest of the input] for each sample]] to `into`: with labels that are the samples' indices,
+    what each sample looked like after its transforms, bit for bit. The run computes what it would."""
+    import hashlib
+
+    from accel_train.workloads.tasks.classification import ClassificationTask
+
+    mix_batch = ClassificationTask.mix_batch
+
+    def record_then_mix(self, batch, epoch, number):
+        inputs, labels = batch[0].detach().cpu(), batch[1].tolist()
+        into.append([epoch, [[label, hashlib.sha1(sample.contiguous().numpy().tobytes()).hexdigest()[:16]]
+                             for label, sample in zip(labels, inputs)]])
+        return mix_batch(self, batch, epoch, number)
+
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ClassificationTask, "mix_batch", record_then_mix)
         yield into
 

@@ -7,6 +7,9 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
 - `crops` (with PROBE_CROPS=1 too): for each training batch the model received, its epoch and the sample index,
   crop offsets and flip of each image, found from the pixels (conftest.CropFinder; small noise datasets only);
+- `inputs` (with PROBE_INPUTS=1 too): for each training batch the model received, its epoch and the label and a
+  digest of each input (conftest.inputs_of_training_batches; with labels that are sample indices, what each
+  sample's transforms drew);
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses;
 - `eval_sets`: for each evaluation loader (validation, test), the (label, pixel sum) of each of its samples;
@@ -14,6 +17,7 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `dropout`: for each training forward pass of the model's first dropout layer, a digest of the random state
   it draws its mask from (the masks themselves also depend on which inputs are zero, which differ anyway);
 - `meter`: the loss and the skip flag of every optimizer step, as the train-line meter received them;
+- `step_lr`: [optimizer step, LR it applied] for every optimizer step of the run;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
 The recorders never change what the run computes.
@@ -45,17 +49,18 @@ import json
 import math
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 
 from accel_train import cli
 from accel_train.training import loop
 from accel_train.workloads import data
-from conftest import crops_of_training_batches
+from conftest import crops_of_training_batches, inputs_of_training_batches
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "crops": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [], "meter": []}
+record = {"batches": [], "crops": [], "inputs": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [],
+          "meter": [], "step_lr": []}
 
 _make_loader, _getitems = loop.make_loader, data.InMemoryImages.__getitems__
 
@@ -147,6 +152,18 @@ def record_dropout_and_meter() -> None:
         return update(self, terms, skipped)
 
     torch.nn.Dropout.forward, TrainMeter.update = dropout_and_record, update_and_record
+
+
+def record_step_lr() -> None:
+    from accel_train.training.guard import NonFiniteGuard
+
+    guarded_step = NonFiniteGuard.step
+
+    def step_and_record(self, optimizer, terms, grad_norm, step):
+        record["step_lr"].append([step, optimizer.param_groups[0]["lr"]])
+        return guarded_step(self, optimizer, terms, grad_norm, step)
+
+    NonFiniteGuard.step = step_and_record
 
 
 def signals_at(step: int) -> None:
@@ -312,8 +329,13 @@ if __name__ == "__main__":
         record_gradient_allreduce()
         record_saves()
         record_dropout_and_meter()
+        record_step_lr()
     try:
-        with crops_of_training_batches(record["crops"]) if out and os.environ.get("PROBE_CROPS") else nullcontext():
+        with ExitStack() as recorders:
+            if out and os.environ.get("PROBE_CROPS"):
+                recorders.enter_context(crops_of_training_batches(record["crops"]))
+            if out and os.environ.get("PROBE_INPUTS"):
+                recorders.enter_context(inputs_of_training_batches(record["inputs"]))
             cli.main(sys.argv[1:])
     except SystemExit as exit:
         if exit.code:

@@ -1,12 +1,34 @@
-"""Contracts of the on-device data path: same samples, same shards, same metrics as a per-sample DataLoader."""
+"""Contracts of the data paths: the on-device path gives the same samples, shards and metrics as a per-sample
+DataLoader, and every path augments a sample as a function of (seed, epoch, its index) alone."""
 
+import json
+import random
+
+import numpy as np
 import pytest
 import torch
 from accelerate.data_loader import prepare_data_loader
+from PIL import Image
 
 from accel_train.config import DataConfig
-from accel_train.workloads.data import Data, InMemoryImages, make_loader, random_crop_flip, sample_keys
-from conftest import launch, read_metrics
+from accel_train.workloads.data import (
+    Data,
+    InMemoryImages,
+    KeyedSamples,
+    make_loader,
+    random_crop_flip,
+    sample_keys,
+    start_epoch,
+)
+from conftest import (
+    PROBE,
+    REPO,
+    crash_after_checkpoint_then_resume,
+    inputs_of_training_batches,
+    launch,
+    read_metrics,
+    train_in_process,
+)
 
 CPU = torch.device("cpu")
 
@@ -152,3 +174,146 @@ def test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size(monkeypa
         assert len(both) >= 6 and all(keys[rank, 0][i] != keys[rank, 1][i] for i in both), "crops repeated"
     merged = [{i: key for rank in range(processes) for i, key in keys[rank, epoch].items()} for epoch in (0, 1)]
     assert merged == [{i: sample_keys(torch.tensor([i]), epoch, 7).item() for i in merged[epoch]} for epoch in (0, 1)]
+
+
+# --- per-sample transforms: every random draw keyed by (seed, epoch, index) -------------------------------------------
+
+class Draws(torch.utils.data.Dataset):
+    """A transform's draws from torch's, Python's and numpy's global generators, one of each per sample."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> tuple:
+        return torch.rand(()).item(), random.random(), float(np.random.random_sample())
+
+
+def test_each_generator_a_transform_draws_from_is_keyed_by_seed_epoch_and_index_only():
+    # Not by the batch, its order or what was fetched before: workers, world sizes and resumes cannot change a draw.
+    dataset = KeyedSamples(Draws())
+    dataset.key_epoch(3, seed=5)
+    first = dataset.__getitems__([4, 9, 11])
+    again = dataset.__getitems__([11, 4])
+    assert again == [first[2], first[0]] and dataset[9] == first[1]
+    for epoch, seed in ((4, 5), (3, 6)):
+        dataset.key_epoch(epoch, seed)
+        for index, ours, theirs in zip((4, 9, 11), first, dataset.__getitems__([4, 9, 11])):
+            assert all(a != b for a, b in zip(ours, theirs)), f"sample {index}: (epoch, seed) {(epoch, seed)} " \
+                                                               f"drew {theirs} where (3, 5) drew {ours}"
+
+
+def test_keyed_transforms_leave_the_callers_torch_random_and_numpy_streams_where_they_were():
+    """With num_workers=0 the transforms run in the training process, whose streams dropout draws from: a batch
+    of keyed samples must leave them as it found them."""
+    def seeded_then_drawn(between=lambda: None) -> list:
+        torch.manual_seed(1), random.seed(1), np.random.seed(1)
+        between()
+        return [torch.rand(2).tolist(), random.random(), np.random.random_sample()]
+
+    loader = make_loader(Data(Draws(), None, ()), DataConfig(num_workers=0), 8, True, CPU)
+    assert seeded_then_drawn(between=lambda: next(iter(loader))) == seeded_then_drawn()
+
+
+def test_a_dataset_that_fetches_whole_batches_is_still_keyed_sample_by_sample():
+    """A Hugging Face datasets.Dataset has __getitems__, which the DataLoader would call with the whole batch, and
+    its transform draws for the batch in one go: each sample's draws would depend on its batch-mates."""
+    import datasets
+
+    def draw(columns: dict) -> dict:
+        return {"index": columns["index"], "draw": torch.rand(len(columns["index"])).tolist()}
+
+    samples = datasets.Dataset.from_dict({"index": list(range(16))}).with_transform(draw)
+    loader = prepare_data_loader(make_loader(Data(samples, None, ()), DataConfig(num_workers=0), 8, True, CPU), CPU,
+                                 num_processes=1, process_index=0, split_batches=True, use_seedable_sampler=True,
+                                 data_seed=3)
+    start_epoch(loader, 1, seed=3)
+    drawn = {index: draw for batch in loader for index, draw in zip(batch["index"].tolist(), batch["draw"].tolist())}
+    alone = KeyedSamples(samples)
+    alone.key_epoch(1, seed=3)
+    assert len(drawn) == 16 and drawn == {index: alone[index]["draw"] for index in range(16)}
+
+
+USER_RECIPE = str(REPO / "tests" / "user_code" / "recipe.yaml")  # user_models.py beside it
+# 24 samples, global batch 8: 3 steps an epoch, 2 epochs. The crashed run stops after step 4, in the second epoch:
+# its workers have served both epochs, and its resume skips into the middle of one.
+KEYED = ["train.batch_size=8", "train.epochs=2", "train.max_steps=null", "seed=1", "train.plot=false"]
+KEYED_DATA = {
+    "user_dataset_by_import_path": ["data.name=user_models:drawing_points", "data.num_classes=24"],
+    "imagefolder_tree_augmented": ["data.name=imagefolder", "data.synthetic=false", "data.augment=true",
+                                   "data.image_size=16"],
+}
+# (processes, DataLoader workers) of the launched runs: a user dataset at 2 processes with and without workers; an
+# ImageFolder (the same KeyedSamples around it) with workers only, as launches cost most of these tests' time
+LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 2)]}
+
+
+def _imagefolder_tree(root) -> str:
+    """24 noise images, one a class: an ImageFolder's label is then the image's index."""
+    generator = torch.Generator().manual_seed(0)
+    for split in ("train", "test"):
+        for index in range(24):
+            folder = root / split / f"c{index:02d}"
+            folder.mkdir(parents=True)
+            pixels = torch.randint(0, 256, (20, 20, 3), dtype=torch.uint8, generator=generator)
+            Image.fromarray(pixels.numpy()).save(folder / "image.png")
+    return str(root)
+
+
+def drawn(batches: list) -> dict:
+    """{(epoch, sample index): digest of what the model received}, from inputs_of_training_batches' records."""
+    seen = {}
+    for epoch, samples in batches:
+        for index, digest in samples:
+            assert (epoch, index) not in seen, f"sample {index} seen twice in epoch {epoch}"
+            seen[epoch, index] = digest
+    return seen
+
+
+@pytest.fixture(scope="module", params=list(KEYED_DATA))
+def keyed_runs(request, tmp_path_factory):
+    """The same run of a dataset whose transforms draw at random: {name: its drawn()}. One process without workers
+    (the reference), launched at 2 processes, crashed after step 4 with 2 workers and resumed, and with seed 2."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    data = KEYED_DATA[request.param]
+    if request.param.startswith("imagefolder"):
+        data = [*data, f"data.root={_imagefolder_tree(tmp / 'images')}"]
+    args = [*KEYED, *data]
+    runs = {}
+    with inputs_of_training_batches([]) as batches:
+        train_in_process(USER_RECIPE, *args, "data.num_workers=0", f"output_dir={tmp / 'reference'}")
+    runs["1 process, no worker"] = drawn(batches)
+    for processes, workers in LAUNCHED[request.param]:
+        name = f"{processes} processes, {workers} workers"
+        probes = tmp / f"probe-{processes}-{workers}"
+        launch(processes, "train", USER_RECIPE, *args, f"data.num_workers={workers}",
+               f"output_dir={tmp / f'launched-{processes}-{workers}'}", script=PROBE,
+               env={"PROBE_DIR": str(probes), "PROBE_INPUTS": "1"}, timeout=240)
+        runs[name] = drawn([batch for rank in range(processes)
+                            for batch in json.loads((probes / f"rank{rank}.json").read_text())["inputs"]])
+    with pytest.MonkeyPatch.context() as patch, inputs_of_training_batches([]) as batches:
+        crash_after_checkpoint_then_resume(patch, 4, USER_RECIPE, *args, "data.num_workers=2",
+                                           "checkpoint.every_steps=4", f"output_dir={tmp / 'resumed'}")
+    runs["1 process, 2 workers, resumed after step 4"] = drawn(batches)
+    with inputs_of_training_batches([]) as batches:
+        train_in_process(USER_RECIPE, *args, "data.num_workers=0", "seed=2", f"output_dir={tmp / 'seed2'}")
+    runs["seed 2"] = drawn(batches)
+    return runs
+
+
+def test_per_sample_transforms_draw_alike_at_1_and_2_processes_0_and_2_workers_and_after_a_resume(keyed_runs):
+    """Every random draw of a sample's transforms (torch, random, numpy) is a function of (seed, epoch, index): the
+    inputs the model receives are the same bit for bit however the run is split, served or interrupted."""
+    reference = keyed_runs["1 process, no worker"]
+    assert len(reference) == 2 * 24
+    for name, run in keyed_runs.items():
+        if name != "seed 2":
+            differ = sorted(key for key in reference if run.get(key) != reference[key])
+            assert run.keys() == reference.keys() and not differ, f"{name}: (epoch, sample) {differ} drew otherwise"
+
+
+def test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch(keyed_runs):
+    reference, other_seed = keyed_runs["1 process, no worker"], keyed_runs["seed 2"]
+    same_seed = sum(other_seed[key] == reference[key] for key in reference)
+    same_epoch = sum(reference[0, index] == reference[1, index] for index in range(24))
+    assert same_seed < 48 / 4, f"seeds 1 and 2 drew {same_seed} of 48 samples alike"
+    assert same_epoch < 24 / 4, f"epochs 0 and 1 drew {same_epoch} of 24 samples alike"

@@ -51,7 +51,7 @@ def test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alon
     assert launcher.startswith(": 4)") and "Traceback" not in workers, result.stderr[-3000:]
 
 
-def test_a_global_batch_that_does_not_split_across_processes_is_refused_naming_the_nearest_valid_ones():
+def test_a_global_batch_that_does_not_split_across_processes_is_refused_naming_the_batches_and_world_sizes_that_do():
     from types import SimpleNamespace
 
     from accel_train.errors import UserError
@@ -59,9 +59,10 @@ def test_a_global_batch_that_does_not_split_across_processes_is_refused_naming_t
 
     three, four = SimpleNamespace(num_processes=3), SimpleNamespace(num_processes=4)
     with pytest.raises(UserError, match="train.batch_size=64 does not split evenly across 3 processes; use a "
-                                        "multiple of 3, e.g. 63 or 66$"):
+                                        "multiple of 3, e.g. 63 or 66, or run at a world size that splits it: "
+                                        "1, 2, 4, 8, 16, 32, 64 process\\(es\\)$"):
         per_process_batch(64, three, "train.batch_size")
-    with pytest.raises(UserError, match="e.g. 4$"):  # no smaller multiple than the process count itself
+    with pytest.raises(UserError, match="e.g. 4, or"):  # no smaller multiple than the process count itself
         per_process_batch(2, four, "train.batch_size")
     assert per_process_batch(66, three, "train.batch_size") == 22
 

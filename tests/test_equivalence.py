@@ -24,8 +24,8 @@ SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96",
 # 50 training samples leave 2 over a global batch of 24; 2 eval samples are fewer than the processes.
 UNEVEN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=50", "data.eval_subset=2", "train.batch_size=24",
           "train.eval_batch_size=4", "train.epochs=2", "train.log_every_steps=1", "train.plot=false"]
-# 2 epochs of 2 steps over 48 of the 50 samples; with no DataLoader worker, per-sample transforms would draw from
-# each process's own reseeded random state: a worker's is what file-backed training uses wherever cores allow one
+# 2 epochs of 2 steps over 48 of the 50 samples; file-backed, one DataLoader worker a process, as wherever cores allow
+# one (keyed draws are the same with none: test_data_paths.py)
 AUGMENTED = [*UNEVEN, "data.augment=true", "seed=1"]
 FILE_BACKED = ["data.on_device=false", "data.num_workers=1"]
 
@@ -186,13 +186,9 @@ def test_augmentation_randomness_differs_between_processes(augmented_uneven):
     assert len(both) >= 40 and same < len(both) / 4, f"epochs 0 and 1 drew {same} of {len(both)} samples alike"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 29: file-backed augmentation is not keyed by seed: every DataLoader gets "
-                          "torch.Generator().manual_seed(0), so DataLoader workers draw the same crops and flips on "
-                          "every process and for every seed")
 def test_file_backed_augmentation_differs_between_processes_and_seeds(file_backed_augmented, tmp_path):
-    """data.on_device=false: torchvision's per-sample crop and flip in DataLoader workers are no function of the
-    sample, but each process must augment its share with its own draws, and another seed must draw anew."""
+    """data.on_device=false: torchvision's per-sample crop and flip in DataLoader workers, keyed by (seed, epoch,
+    index): each process augments its share with its own draws, and another seed draws anew."""
     assert_processes_draw_differently(crops_received(file_backed_augmented[1]))
     by_seed = {}
     for seed in (0, 1):

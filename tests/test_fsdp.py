@@ -31,8 +31,8 @@ RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_su
 FP32 = ("--mixed_precision", "no")
 
 
-def fsdp(*args: str, **kwargs):
-    return launch(2, "train", *RUN, *args, profile="fsdp.yaml", script=PROBE, launcher_args=FP32,
+def fsdp(*args: str, processes: int = 2, **kwargs):
+    return launch(processes, "train", *RUN, *args, profile="fsdp.yaml", script=PROBE, launcher_args=FP32,
                   env={"PROBE_FSDP_ON_CPU": "1", **kwargs.pop("env", {})}, **kwargs)
 
 
@@ -80,6 +80,21 @@ def test_fsdp_resume_after_a_crash_mid_epoch_equals_the_uninterrupted_run(runs, 
     resumed, uninterrupted = (load_file(str(folder / "model.safetensors")) for folder in (out, runs / "fsdp"))
     for name, weights in uninterrupted.items():
         assert (resumed[name] - weights).norm() <= 1e-6 * weights.norm(), name
+
+
+def test_an_fsdp_checkpoint_of_2_processes_resumes_at_3_like_the_uninterrupted_run(runs, tmp_path):
+    """Full state dicts are the same tensors at any world size: 3 processes shard them anew (uneven shards)."""
+    out = tmp_path / "resized"
+    crashed = fsdp(f"output_dir={out}", env={"PROBE_CRASH_AFTER_SAVE": "6"}, check=False)
+    assert crashed.returncode != 0 and newest_checkpoint_step(out) == 6, crashed.stderr[-3000:]
+    resumed = fsdp(f"output_dir={out}", "resume=auto", processes=3)
+    assert "resumed at 3 process(es) from a checkpoint of 2" in resumed.stdout, resumed.stdout[-3000:]
+    losses = [[line["loss"] for line in read_metrics(folder, "train")] for folder in (out, runs / "fsdp")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    resized, uninterrupted = (load_file(str(folder / "model.safetensors")) for folder in (out, runs / "fsdp"))
+    for name, weights in uninterrupted.items():
+        relative = (resized[name] - weights).norm() / weights.norm()
+        assert relative <= 1e-5, f"{name}: resumed at 3 differs by {relative:.2e} (relative)"
 
 
 def test_the_fsdp_profile_on_a_machine_without_gpu_says_it_trains_with_ddp(tmp_path):

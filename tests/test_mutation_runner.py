@@ -151,3 +151,17 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_the_baseline_checks_every_k_selection_on_its_own_since_pytest_keeps_only_the_last_k():
+    spec = importlib.util.spec_from_file_location("mutation_runner", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = runner  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(runner)
+    finally:
+        del sys.modules[spec.name]
+    tests = ("tests/a.py::-k one", "tests/b.py::test_x", "tests/c.py::-k two", "tests/d.py")
+    batches = runner.baseline_batches(tests)
+    assert batches == [("tests/b.py::test_x", "tests/d.py"), ("tests/a.py::-k one",), ("tests/c.py::-k two",)]
+    assert [runner.pytest_args(batch).count("-k") for batch in batches] == [0, 1, 1]

@@ -6,6 +6,17 @@ short meeting at main_process_ip:main_process_port, held by machine 0 in torch's
 few seconds how many machines have joined, which are missing, on which address, and when it gives up. Once all
 are there, each hands its arguments, unchanged, to `accelerate launch`, whose rendezvous then finds everyone.
 On one machine there is nothing to wait for and the hand-over is immediate.
+
+A job that goes on when a machine is lost, and takes in a machine started later, is not launched here: accelerate
+launch takes a fixed number of machines, and this meeting waits for all of them. torchrun's elastic membership
+does it, the same command on every machine (10.0.0.1: the machine holding the rendezvous, which must survive):
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc_per_node 8 --max_restarts 3 \\
+        --rdzv_backend c10d --rdzv_endpoint 10.0.0.1:29500 --rdzv_id JOB \\
+        --rdzv_conf join_timeout=600,last_call_timeout=30 \\
+        -m accel_train train RECIPE output_dir=SHARED_FOLDER resume=auto
+
+(docs/multi-machine.md, "A job that loses a machine goes on").
 """
 
 from __future__ import annotations

@@ -121,8 +121,10 @@ def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> 
     if global_batch % n:
         lower, upper = (global_batch // n) * n, (global_batch // n + 1) * n
         hint = f"{lower} or {upper}" if lower else f"{upper}"
+        # A checkpoint continues only with its own global batch: the world sizes that split it are the other way out.
+        splitting = [str(size) for size in range(1, min(global_batch, 1024) + 1) if global_batch % size == 0]
         raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, "
-                        f"e.g. {hint}")
+                        f"e.g. {hint}, or run at a world size that splits it: {', '.join(splitting)} process(es)")
     return global_batch // n
 
 

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accel_train.errors import LaunchError
+from accel_train.errors import LaunchError, UserError
 
 CONFIG_KEYS = {"distributed_type": str, "num_processes": int, "num_machines": int, "machine_rank": int,
                "main_process_ip": str, "main_process_port": int, "mixed_precision": str}
@@ -214,12 +214,29 @@ def add_arguments(parser) -> None:
                         help="seconds to wait for the main node and the process group")
 
 
+def refuse_a_range_of_machines(launcher_arguments: list[str]) -> None:
+    """A range of machines (torchrun's --nnodes 1:2) asks for elastic membership, which accelerate launch cannot
+    give (it takes one number): say which command does, instead of argparse's usage and "invalid int value"."""
+    for index, argument in enumerate(launcher_arguments):
+        if argument == "--num_machines":
+            value = (launcher_arguments[index + 1:index + 2] or [""])[0]
+        elif argument.startswith("--num_machines="):
+            value = argument.split("=", 1)[1]
+        else:
+            continue
+        if ":" in value:
+            raise UserError(f"--num_machines {value}: accelerate launch takes a fixed number of machines; a job that "
+                            f"goes on when a machine is lost runs under torchrun --nnodes {value} --rdzv_backend c10d "
+                            "(the command: accel-train launch --help; docs/multi-machine.md)")
+
+
 def launch_settings(arguments: list[str]):
     """The settings accelerate launch will use (flags over its config file), read and checked the way doctor reads
     and checks them."""
     # What follows the module or script is the training command's, not the launcher's.
     target = next((i for i, arg in enumerate(arguments) if arg in ("-m", "--module") or arg.endswith(".py")),
                   len(arguments))
+    refuse_a_range_of_machines(arguments[:target])
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_arguments(parser)
     flags, _ = parser.parse_known_args(arguments[:target])

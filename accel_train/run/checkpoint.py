@@ -8,7 +8,9 @@ What survives a resume beside the model, optimizer and scheduler is one mapping 
 once (`Checkpoints(config, accelerator, states={"progress": ..., "meter": ..., ...})`, as torchtitan's
 CheckpointManager takes them): a part with tensors (a torch module, such as the EMA of the weights) is saved
 with Accelerate's state, any other part's `state_dict()` goes into that process's loop_state_P.json. Resume
-loads every part in place; adding a part is one entry.
+loads every part in place; adding a part is one entry. A checkpoint resumes at another world size: a part whose
+state differs per process (the train meter's partial sums) says how the saved processes' states merge
+(`merge_states`); any other part is the same on every process.
 
 A checkpoint is written as `.partial-step-N` and renamed when complete, so a crash at any moment leaves the
 previous checkpoints or the complete new one. Checkpoints are found and ordered by
@@ -21,6 +23,7 @@ returns where training continues as a ResumePoint. Loading goes through `acceler
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -68,6 +71,13 @@ class ResumePoint:
     skip: int = 0  # batches of that epoch already trained
     evaluated: bool = False  # the checkpoint was saved after the evaluation at `step`
     in_output_dir: bool = False  # saved by this output_dir's run: its metrics.jsonl continues
+    saved_world_size: int | None = None  # the processes that saved it (None: no checkpoint resumed)
+
+    def world_size_change(self, world_size: int) -> str | None:
+        """'resumed at 3 processes from a checkpoint of 2' when the checkpoint was saved at another world size."""
+        if self.saved_world_size is None or self.saved_world_size == world_size:
+            return None
+        return f"resumed at {world_size} process(es) from a checkpoint of {self.saved_world_size}"
 
 
 def read_meta(folder: Path) -> dict | None:
@@ -252,12 +262,35 @@ class Checkpoints:
             accelerator.print(f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to "
                               "train")
             epoch, done = config.train.epochs, 0
-        saved = _read_loop_state(folder, accelerator.process_index, meta)
+        # Accelerate's count of micro-batches, loaded with the RNG state, was made with the saved run's accumulation
+        # steps (and is missing for a process that run did not have); a checkpoint is at an optimizer step, where
+        # the count starts over.
+        accelerator.step = 0
+        if meta["world_size"] == accelerator.num_processes:
+            saved = _read_loop_state(folder, accelerator.process_index, meta)
+        else:
+            saved = self._merged_loop_states(folder, meta)
+            _reseed_processes(config.seed, meta["step"], accelerator)
         for name, part in self.states.items():
             if saved.get(name) is not None:
                 part.load_state_dict(saved[name])
         return ResumePoint(step=meta["step"], epoch=epoch, skip=done, evaluated=meta["evaluated"],
-                           in_output_dir=folder.parent.resolve() == directory.resolve())
+                           in_output_dir=folder.parent.resolve() == directory.resolve(),
+                           saved_world_size=meta["world_size"])
+
+    def _merged_loop_states(self, folder: Path, meta: dict) -> dict:
+        """Each part's state for this process from a checkpoint of another world size: a part whose state differs
+        per process (the train meter's partial sums) merges the saved processes' states (`merge_states`); any
+        other part is the same on every process, and process 0's is taken."""
+        saved = [_read_loop_state(folder, process, meta) for process in range(meta["world_size"])]
+        merged = {}
+        for name, part in self.states.items():
+            states = [state.get(name) for state in saved]
+            if any(state is None for state in states):
+                continue
+            merge = getattr(part, "merge_states", None)
+            merged[name] = merge(states) if merge is not None else states[0]
+        return merged
 
 
 def check_resume(config: Config) -> None:
@@ -296,17 +329,24 @@ def _read_loop_state(folder: Path, process: int, meta: dict) -> dict:
 
 def _refuse_what_cannot_continue(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
                                  model: torch.nn.Module, steps_per_epoch: int) -> None:
-    """A checkpoint whose tensors, world size or steps per epoch this run cannot continue from."""
+    """A checkpoint whose tensors or steps per epoch this run cannot continue from (any world size can: the
+    global batch, and so the steps per epoch, are the same at every world size that divides it)."""
     mismatch = _shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
     if mismatch:
         raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "
                         f"{mismatch}; use another output_dir or resume=null")
-    if meta["world_size"] != accelerator.num_processes:
-        raise UserError(f"resume: {folder} was saved by {meta['world_size']} process(es), this run has "
-                        f"{accelerator.num_processes}; resume with --num_processes {meta['world_size']}")
     if meta["steps_per_epoch"] != steps_per_epoch:
         raise UserError(f"resume: {folder} has {meta['steps_per_epoch']} steps per epoch, this run "
                         f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
+
+
+def _reseed_processes(seed: int, step: int, accelerator: Accelerator) -> None:
+    """After loading a checkpoint of another world size: each process's own random streams (dropout) anew from
+    (seed, process, step), since the saved streams were those of other processes."""
+    from accelerate.utils import set_seed
+
+    digest = hashlib.sha256(f"{seed}:{accelerator.process_index}:{step}".encode()).digest()
+    set_seed(int.from_bytes(digest[:4], "little"))
 
 
 def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator: Accelerator) -> None:

@@ -127,6 +127,9 @@ def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
     if summary["restarts"]:
         lines.append(f"  restarts   {summary['restarts']} by the launcher after a process failed; each resumed from "
                      "the newest checkpoint (starts.jsonl)")
+    for change in summary["world_size_changes"]:
+        lines.append(f"  resumed    at {change['to']} process(es) from a checkpoint of {change['from']}, at step "
+                     f"{change['step']} (starts.jsonl)")
     lines.append(f"  files      {folder}/: {', '.join(files)}")
     if watch:
         lines.append(f"  watch      {watch}")

@@ -56,6 +56,9 @@ def summarize(folder: Path, name: str | None = None) -> dict:
         "wall_s": next((line["elapsed_s"] for line in reversed(lines) if "elapsed_s" in line), None),
         "samples_per_s": training_throughput(train, (config.get("train") or {}).get("batch_size")),
         "starts": len(starts), "restarts": sum(1 for start in starts if start.get("launcher_restart")),
+        "world_size_changes": [{"step": start["step"], "from": start["checkpoint_world_size"],
+                                "to": start["world_size"]} for start in starts
+                               if start.get("checkpoint_world_size") not in (None, start.get("world_size"))],
     }
 
 

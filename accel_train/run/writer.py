@@ -110,7 +110,8 @@ class RunFolder(Observer):
             self.metrics = open(path, "a" if continued else "w", buffering=1)
             restart, _ = launcher_restarts()
             start = {"time": started, "host": host, "step": progress.step,
-                     "world_size": self.launch_info["world_size"], "launcher_restart": restart}
+                     "world_size": self.launch_info["world_size"], "launcher_restart": restart,
+                     "checkpoint_world_size": self.start.saved_world_size}
             # History is kept wherever the run continues, even when no checkpoint was there to resume from.
             keep = self.start.in_output_dir or self.config.resume == "auto"
             with open(self.folder / STARTS_FILE, "a" if keep else "w") as starts:

@@ -12,6 +12,11 @@ The same code runs on one CPU, one GPU, many GPUs and many machines; only the la
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --rdzv_backend static --master_addr 10.0.0.1 \\
         --master_port 29500 -m accel_train train fashion_mnist_cnn           # then --node_rank 1 on node 2
     sbatch accelerate_configs/slurm_multi_node.sbatch train fashion_mnist_cnn   # SLURM, one launch per node
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc_per_node 8 --max_restarts 3 \\
+        --rdzv_backend c10d --rdzv_endpoint 10.0.0.1:29500 --rdzv_id fm-1 \\
+        --rdzv_conf join_timeout=600,last_call_timeout=30 -m accel_train train fashion_mnist_cnn \\
+        output_dir=/shared/runs/fm resume=auto   # every machine: loses one and goes on (10.0.0.1 must survive)
+    kubectl apply -f job.yaml   # Kubernetes: a copy of accelerate_configs/pytorchjob_elastic.yaml, edited
 
 Before a multi-node run, `accel-train doctor` on each node names whatever would make the launch fail.
 
@@ -205,8 +210,9 @@ def main_process_observers(config: Config, accelerator, task, start, classes, tr
         return Observers([])
     info = run_info(accelerator)
     restart, max_restarts = launcher_restarts()
+    change = start.world_size_change(info["world_size"])
     headline = (f"training {config.model.name} on {config.data.name}: {info['world_size']} process(es), "
-                f"{info['device']}, mixed precision {info['mixed_precision']}"
+                f"{f'{change}, ' if change else ''}{info['device']}, mixed precision {info['mixed_precision']}"
                 f"{f', restart {restart} of at most {max_restarts} by the launcher' if restart else ''}")
     files = results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
                        curves=config.train.plot, classes=classes is not None,

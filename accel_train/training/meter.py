@@ -62,6 +62,17 @@ class TrainMeter:
         sums = self.sums.tolist() if self.sums is not None else None
         return {"names": self.names, "sums": sums, "counted": float(self.counted)}
 
+    @staticmethod
+    def merge_states(states: list[dict]) -> dict:
+        """The state each process takes from the partial sums of another world size's processes: their mean.
+
+        A line is the mean over processes of each one's sums divided by the steps counted (the same on all), so
+        processes that all start from the old processes' mean sums give the line the old processes would have.
+        """
+        sums = [state["sums"] for state in states if state["sums"] is not None]
+        merged = [sum(values) / len(states) for values in zip(*sums)] if len(sums) == len(states) else None
+        return {"names": states[0]["names"], "sums": merged, "counted": states[0]["counted"]}
+
     def load_state_dict(self, state: dict) -> None:
         device = self.accelerator.device
         self.names = list(state["names"])

@@ -2,8 +2,9 @@
 
 Datasets that fit in memory (the MNIST family, CIFAR-10, STL-10) are kept as one uint8 tensor and, with
 data.on_device, moved once to the training device and served a whole batch at a time from there
-(augmentation and resizing batched on the device). With data.on_device=false, and always for ImageFolder,
-a DataLoader runs per-sample torchvision transforms in worker processes.
+(augmentation and resizing batched on the device). With data.on_device=false, and always for ImageFolder and
+a user's dataset, a DataLoader runs per-sample transforms (in worker processes where cores allow), each sample's
+random draws keyed by (seed, epoch, its index) as the on-device augmentation is (KeyedSamples).
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gzip
+import random
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -186,6 +189,56 @@ def random_crop_flip(images: torch.Tensor, padding: int, keys: torch.Tensor) -> 
     rows = top + torch.arange(h, device=device).view(1, h, 1)
     index = (rows * padded_width + columns).view(n, 1, h * w).expand(n, c, h * w)
     return padded.gather(2, index).view(n, c, h, w)
+
+
+class KeyedSamples(Dataset):
+    """A dataset served sample by sample, every random draw of its transforms a function of (seed, epoch, index).
+
+    Before each sample, torch's CPU generator, Python's `random` and numpy's global generator are seeded from
+    sample_keys(index, epoch, seed); afterwards the caller's states are put back. So a sample is augmented alike at
+    any world size, with any number of DataLoader workers and after a resume, and the training process's own streams
+    (dropout draws from them; with num_workers=0 the transforms run there) do not move. Not reseeded: a
+    numpy.random.Generator or random.Random that the dataset makes itself. The index is the one the DataLoader
+    passes, the same whichever process loads the sample.
+    """
+
+    def __init__(self, samples: Dataset) -> None:
+        self.samples = samples
+        # [seed, epoch] in shared memory: persistent DataLoader workers keep the copy of this object made when they
+        # started, and must see every later epoch. Evaluation loaders keep epoch 0 of seed 0.
+        self.seed_and_epoch = torch.zeros(2, dtype=torch.long).share_memory_()
+
+    def key_epoch(self, epoch: int, seed: int) -> None:
+        """Called by start_epoch, before the epoch's iterator fetches anything. Not named set_epoch: Accelerate
+        calls a dataset's set_epoch with its own count of iterations, evaluation loaders' too."""
+        self.seed_and_epoch.copy_(torch.tensor([seed, epoch]))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        # A batch at a time (the DataLoader's fetcher calls this), so the states are saved and put back once a batch;
+        # each sample still comes from the dataset's own __getitem__ and its own key, even where the dataset could
+        # fetch a whole batch (a Hugging Face datasets.Dataset).
+        seed, epoch = self.seed_and_epoch.tolist()
+        keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()
+        saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        try:
+            samples = []
+            for index, key in zip(indices, keys):
+                torch.default_generator.manual_seed(key)  # the CPU's alone: torch.manual_seed would reseed CUDA's too
+                random.seed(key)
+                # Its high 32 bits: torch's MT19937 takes the low 32, and numpy's with the same seed would draw the same
+                np.random.seed(key >> 30)
+                samples.append(self.samples[index])
+            return samples
+        finally:
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            np.random.set_state(saved[2])
 
 
 @dataclass(frozen=True)
@@ -502,10 +555,13 @@ def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tens
 
 
 def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
-    """Data order (Accelerate's seedable sampler) and augmentation both become functions of (seed, epoch)."""
+    """Data order (Accelerate's seedable sampler) and augmentation both become functions of (seed, epoch). Called
+    before the epoch's iterator is made: it fetches the first batches (in workers too) as it starts."""
     loader.set_epoch(epoch)  # Accelerate passes it to the sampler only, not to the dataset
     if isinstance(loader.dataset, InMemoryImages):
         loader.dataset.set_epoch(epoch, seed)
+    elif isinstance(loader.dataset, KeyedSamples):
+        loader.dataset.key_epoch(epoch, seed)
 
 
 def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device,
@@ -518,7 +574,8 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
                         "lower train.batch_size or raise data.train_subset")
     # A loader of its own generator: otherwise each new iterator draws its seed from the global RNG, the
     # stream dropout uses, and a resumed run (whose iterator starts mid-epoch) would see other dropout masks.
-    # The order of samples is the seedable sampler's, a function of (seed, epoch) alone.
+    # The order of samples is the seedable sampler's, a function of (seed, epoch) alone; the seeds the workers
+    # get from this generator reach no transform (KeyedSamples seeds every sample).
     generator = torch.Generator().manual_seed(0)
     dataset, global_batch = data.dataset, global_batch // accumulation
     if data.in_memory:
@@ -527,5 +584,6 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
                               collate_fn=keep_batch, generator=generator)
         dataset = PerSampleImages(dataset, cfg.trivial_augment, cfg.random_erasing)
     workers = dataloader_workers(cfg.num_workers)
-    return DataLoader(dataset, batch_size=global_batch, shuffle=train, drop_last=train, num_workers=workers,
-                      pin_memory=device.type == "cuda", persistent_workers=workers > 0, generator=generator)
+    return DataLoader(KeyedSamples(dataset), batch_size=global_batch, shuffle=train, drop_last=train,
+                      num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                      generator=generator)

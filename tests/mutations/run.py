@@ -108,9 +108,11 @@ MUTATIONS = [
              "kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],",
              "kwargs_handlers=[],",
              ("tests/test_checkpoint.py::test_a_hung_process_fails_the_others_at_collective_timeout_s",)),
-    Mutation("resume at another world size not refused",
-             "accel_train/run/checkpoint.py", 'if meta["world_size"] != accelerator.num_processes:', "if False:",
-             ("tests/test_checkpoint.py::-k world_size",)),
+    Mutation("a resume at another world size ignores the position in the epoch (starts the epoch over)",
+             "accel_train/run/checkpoint.py", "epoch, done = resume_position(meta)",
+             'epoch, done = resume_position(meta) if meta["world_size"] == accelerator.num_processes else '
+             '(meta["epoch"], 0)',
+             ("tests/test_world_size_resume.py::test_a_resume_at_another_world_size_trains_the_same_global_batches_at_the_same_lr",)),
     Mutation("seedable sampler off (data order no longer a function of seed and epoch alone)",
              "accel_train/launch/distributed.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
              ("tests/test_equivalence.py::test_shuffling_is_a_function_of_seed_and_epoch",
@@ -177,6 +179,22 @@ MUTATIONS = [
              "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
              "loader.dataset.set_epoch(0, seed)",
              ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
+    # data.py, KeyedSamples: the epoch in the key that seeds each sample's transforms wherever a DataLoader serves
+    # samples one by one (ImageFolder, data.on_device=false, a user's dataset); sample_keys itself stays whole.
+    Mutation("the per-sample key ignores the epoch (per-sample transforms: KeyedSamples)",
+             "accel_train/workloads/data.py", "keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()",
+             "keys = sample_keys(torch.as_tensor(indices), 0, seed).tolist()",
+             ("tests/test_data_paths.py::test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch",)),
+    # writer.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
+    Mutation("starts.jsonl records no world size (a job that lost a machine looks like one that did not)",
+             "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
+             ("tests/test_elastic.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
+              "finishes[killed]",)),
+    # settings.py, launch_settings: accelerate launch takes one number of machines; a range asks for torchrun.
+    Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
+             "accel_train/launch/settings.py", "    refuse_a_range_of_machines(arguments[:target])\n", "",
+             ("tests/test_multi_machine_start.py::test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_"
+              "the_elastic_torchrun_command",)),
 ]
 
 
@@ -203,6 +221,13 @@ def pytest_args(tests: tuple[str, ...]) -> list[str]:
         path, _, expression = test.partition("::-k ")
         args += [path, "-k", expression] if expression else [test]
     return args
+
+
+def baseline_batches(tests: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The pytest runs that check every selection: pytest takes one -k, so each "::-k" selection runs on its own
+    (joined, the last -k would replace the others) and the node ids and files all together."""
+    plain = tuple(test for test in tests if "::-k " not in test)
+    return ([plain] if plain else []) + [(test,) for test in tests if "::-k " in test]
 
 
 def run_tests(tests: tuple[str, ...], repo: Path = REPO) -> tuple[int, list[str], float]:
@@ -314,8 +339,10 @@ def main(argv: list[str], mutations: list[Mutation] = MUTATIONS, repo: Path = RE
 
 def run_mutations(chosen: list[Mutation], no_baseline: bool, repo: Path) -> int:
     if not no_baseline:
-        tests = tuple(dict.fromkeys(test for m in chosen for test in m.tests))
-        code, failed, seconds = run_tests(tests, repo)
+        code, failed, seconds = 0, [], 0.0
+        for tests in baseline_batches(tuple(dict.fromkeys(test for m in chosen for test in m.tests))):
+            batch_code, batch_failed, batch_seconds = run_tests(tests, repo)
+            code, failed, seconds = code or batch_code, failed + batch_failed, seconds + batch_seconds
         print(f"baseline: {'pass' if code == 0 else f'FAILED {failed or code}'} ({seconds:.0f} s)", flush=True)
         if code != 0:
             return 1

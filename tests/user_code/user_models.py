@@ -1,8 +1,11 @@
 """User code for the import-path tests, good and deliberately broken (test fixtures, not examples)."""
 
+import random
+
+import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 import accel_train
 
@@ -29,6 +32,25 @@ def points(train: bool, size: int = 30) -> TensorDataset:
     generator = torch.Generator().manual_seed(0 if train else 1)
     inputs = torch.randn(size, 1, 4, 4, generator=generator)
     return TensorDataset(inputs, torch.randint(0, 3, (size,), generator=generator))
+
+
+class DrawingPoints(Dataset):
+    """A transform that draws from torch's, Python's and numpy's global random generators, as augmentation does:
+    sample i is (i / size, a torch draw, a `random` draw, a numpy draw) and its label is i."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        draws = [torch.rand(()).item(), random.random(), np.random.random_sample()]
+        return torch.tensor([index / self.size, *draws]), index
+
+
+def drawing_points(train: bool, size: int = 24) -> DrawingPoints:
+    return DrawingPoints(size if train else 8)
 
 
 def no_train_argument(size: int = 30) -> TensorDataset:
