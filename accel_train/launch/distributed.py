@@ -115,6 +115,10 @@ def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float) -> N
                             rank=launcher_ranks()[0], world_size=launcher.world_size, timeout=timeout)
 
 
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
 def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:
     """Check that a global batch splits evenly across processes (Accelerate's split_batches needs it)."""
     n = accelerator.num_processes
@@ -122,9 +126,9 @@ def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> 
         lower, upper = (global_batch // n) * n, (global_batch // n + 1) * n
         hint = f"{lower} or {upper}" if lower else f"{upper}"
         # A checkpoint continues only with its own global batch: the world sizes that split it are the other way out.
-        splitting = [str(size) for size in range(1, min(global_batch, 1024) + 1) if global_batch % size == 0]
         raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, "
-                        f"e.g. {hint}, or run at a world size that splits it: {', '.join(splitting)} process(es)")
+                        f"e.g. {hint}, or run at a world size that splits it: "
+                        f"{', '.join(map(str, divisors(global_batch)))} process(es)")
     return global_batch // n
 
 

@@ -205,7 +205,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config_file", help="accelerate config file, or the name of a shipped profile (accel-train "
                         "profiles); default: Accelerate's default config if present")
     parser.add_argument("--num_processes", type=int, help="total processes over all machines")
-    parser.add_argument("--num_machines", type=int)
+    parser.add_argument("--num_machines", type=machine_count)
     parser.add_argument("--machine_rank", type=int, help="this node's rank, 0 on the main node")
     parser.add_argument("--main_process_ip", help="machine 0's address")
     parser.add_argument("--main_process_port", type=int)
@@ -214,20 +214,14 @@ def add_arguments(parser) -> None:
                         help="seconds to wait for the main node and the process group")
 
 
-def refuse_a_range_of_machines(launcher_arguments: list[str]) -> None:
-    """A range of machines (torchrun's --nnodes 1:2) asks for elastic membership, which accelerate launch cannot
-    give (it takes one number): say which command does, instead of argparse's usage and "invalid int value"."""
-    for index, argument in enumerate(launcher_arguments):
-        if argument == "--num_machines":
-            value = (launcher_arguments[index + 1:index + 2] or [""])[0]
-        elif argument.startswith("--num_machines="):
-            value = argument.split("=", 1)[1]
-        else:
-            continue
-        if ":" in value:
-            raise UserError(f"--num_machines {value}: accelerate launch takes a fixed number of machines; a job that "
-                            f"goes on when a machine is lost runs under torchrun --nnodes {value} --rdzv_backend c10d "
-                            "(the command: accel-train launch --help; docs/multi-machine.md)")
+def machine_count(value: str) -> int:
+    """--num_machines: a number. A range (torchrun's --nnodes 1:2) asks for elastic membership, which accelerate launch
+    cannot give (it takes one number): say which command does, instead of argparse's usage and "invalid int value"."""
+    if ":" in value:
+        raise UserError(f"--num_machines {value}: accelerate launch takes a fixed number of machines; a job that "
+                        f"goes on when a machine is lost runs under torchrun --nnodes {value} --rdzv_backend c10d "
+                        "(the command: accel-train launch --help; docs/multi-machine.md)")
+    return int(value)
 
 
 def launch_settings(arguments: list[str]):
@@ -236,7 +230,6 @@ def launch_settings(arguments: list[str]):
     # What follows the module or script is the training command's, not the launcher's.
     target = next((i for i, arg in enumerate(arguments) if arg in ("-m", "--module") or arg.endswith(".py")),
                   len(arguments))
-    refuse_a_range_of_machines(arguments[:target])
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_arguments(parser)
     flags, _ = parser.parse_known_args(arguments[:target])

@@ -45,6 +45,7 @@ from accel_train.run.layout import (
     checkpoints_dir,
     usual_permissions,
 )
+from accel_train.run.records import across_world_sizes
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +78,7 @@ class ResumePoint:
         """'resumed at 3 processes from a checkpoint of 2' when the checkpoint was saved at another world size."""
         if self.saved_world_size is None or self.saved_world_size == world_size:
             return None
-        return f"resumed at {world_size} process(es) from a checkpoint of {self.saved_world_size}"
+        return f"resumed {across_world_sizes(world_size, self.saved_world_size)}"
 
 
 def read_meta(folder: Path) -> dict | None:

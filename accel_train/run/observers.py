@@ -13,7 +13,7 @@ from pathlib import Path
 
 from accel_train.console import say
 from accel_train.run.progress import Progress
-from accel_train.run.records import duration, summarize
+from accel_train.run.records import across_world_sizes, duration, summarize
 
 
 class Observer:
@@ -128,8 +128,8 @@ def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
         lines.append(f"  restarts   {summary['restarts']} by the launcher after a process failed; each resumed from "
                      "the newest checkpoint (starts.jsonl)")
     for change in summary["world_size_changes"]:
-        lines.append(f"  resumed    at {change['to']} process(es) from a checkpoint of {change['from']}, at step "
-                     f"{change['step']} (starts.jsonl)")
+        lines.append(f"  resumed    {across_world_sizes(change['to'], change['from'])}, at step {change['step']} "
+                     "(starts.jsonl)")
     lines.append(f"  files      {folder}/: {', '.join(files)}")
     if watch:
         lines.append(f"  watch      {watch}")

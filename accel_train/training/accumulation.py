@@ -18,11 +18,8 @@ from accelerate.utils import find_executable_batch_size, send_to_device
 
 from accel_train.config import Config, TrainConfig
 from accel_train.errors import UserError
+from accel_train.launch.distributed import divisors
 from accel_train.workloads.data import Data, make_loader
-
-
-def divisors(number: int) -> list[int]:
-    return [d for d in range(1, number + 1) if number % d == 0]
 
 
 def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:

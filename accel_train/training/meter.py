@@ -69,8 +69,8 @@ class TrainMeter:
         A line is the mean over processes of each one's sums divided by the steps counted (the same on all), so
         processes that all start from the old processes' mean sums give the line the old processes would have.
         """
-        sums = [state["sums"] for state in states if state["sums"] is not None]
-        merged = [sum(values) / len(states) for values in zip(*sums)] if len(sums) == len(states) else None
+        merged = None if states[0]["sums"] is None else \
+            [sum(values) / len(states) for values in zip(*(state["sums"] for state in states))]
         return {"names": states[0]["names"], "sums": merged, "counted": states[0]["counted"]}
 
     def load_state_dict(self, state: dict) -> None:

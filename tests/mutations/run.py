@@ -190,9 +190,10 @@ MUTATIONS = [
              "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
              ("tests/test_elastic.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
               "finishes[killed]",)),
-    # settings.py, launch_settings: accelerate launch takes one number of machines; a range asks for torchrun.
+    # settings.py, add_arguments: accelerate launch takes one number of machines; a range asks for torchrun.
     Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
-             "accel_train/launch/settings.py", "    refuse_a_range_of_machines(arguments[:target])\n", "",
+             "accel_train/launch/settings.py", 'parser.add_argument("--num_machines", type=machine_count)',
+             'parser.add_argument("--num_machines", type=int)',
              ("tests/test_multi_machine_start.py::test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_"
               "the_elastic_torchrun_command",)),
 ]
