@@ -38,13 +38,16 @@ def has_accelerator_device() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
-def dataloader_workers(requested: int | str) -> int:
-    """data.num_workers: a number as given; auto, the CPU cores this process may use divided among the processes
-    on this machine (torch warns above the cores it sees), at most 8."""
-    if requested != "auto":
-        return int(requested)
+def cores_per_process() -> int:
+    """The CPU cores this process may use divided among the processes on this machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(8, cores // (launcher_settings().local_world_size or 1))
+    return cores // (launcher_settings().local_world_size or 1)
+
+
+def dataloader_workers(requested: int | str) -> int:
+    """data.num_workers: a number as given; auto, the cores per process (torch warns above the cores it sees),
+    at most 8."""
+    return int(requested) if requested != "auto" else min(8, cores_per_process())
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),

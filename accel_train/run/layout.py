@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from accel_train.errors import UserError
+from accel_train.errors import UnreadableFileError, UserError
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -106,13 +106,19 @@ def results_of(*, ema: bool, best: bool, curves: bool, classes: bool, checkpoint
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A JSON-lines file as written so far; a last line cut short by a crash ends it."""
+    """A JSON-lines file as written so far. A last line cut short by a crash is left out; a damaged line before
+    others is named (UnreadableFileError), never a silent end of what is shown."""
+    texts = path.read_text().splitlines()
     lines = []
-    for text in path.read_text().splitlines():
+    for number, text in enumerate(texts, start=1):
+        if not text.strip():
+            continue
         try:
             lines.append(json.loads(text))
-        except ValueError:
-            break
+        except ValueError as err:
+            if any(later.strip() for later in texts[number:]):
+                raise UnreadableFileError(f"{path} line {number} is damaged ({err}); only a last line cut short "
+                                          "by a crash is skipped: repair or delete that line") from None
     return lines
 
 

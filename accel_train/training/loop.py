@@ -62,7 +62,14 @@ from accel_train.training.guard import NonFiniteGuard, clip_gradients
 from accel_train.training.meter import TrainMeter
 from accel_train.training.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
 from accel_train.training.selection import ModelSelection
-from accel_train.workloads.data import build_dataset, hold_out_validation, make_loader, start_epoch
+from accel_train.workloads.data import (
+    Data,
+    build_dataset,
+    hold_out_validation,
+    make_loader,
+    slow_input_advice,
+    start_epoch,
+)
 from accel_train.workloads.models import tune_for_device
 from accel_train.workloads.tasks import Task
 
@@ -114,7 +121,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
     step_terms = StepTerms(accumulation)
-    observers = main_process_observers(config, accelerator, task, start, train_data.classes, trackers)
+    observers = main_process_observers(config, accelerator, task, start, train_data, trackers)
     selecting_split = "val" if val_loader is not None else "test"
     if (config.checkpoint.best_metric or config.train.early_stop_patience) and val_loader is None:
         warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
@@ -143,7 +150,8 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
             say(f"{selection.describe_stop()}: stopped at step {progress.step}")
         return stop_early
 
-    with StopSignals(accelerator, config.train.collective_timeout_s) as signals:  # SIGTERM / SIGINT
+    # SIGTERM / SIGINT are agreed on; the observers close however training ends (a stop line starts its own line)
+    with StopSignals(accelerator, config.train.collective_timeout_s) as signals, observers:
         observers.on_train_start(progress)
         first_epoch = config.train.epochs if selection.stopped else start.epoch  # early stopping ended it
         for progress.epoch in range(first_epoch, config.train.epochs):
@@ -156,8 +164,8 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
             micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
             if skip:  # before accelerate 1.15 the skipping loader starts over at epoch 0: the wrong order
                 start_epoch(micro_batches, progress.epoch, config.seed)
-            for number, batch in enumerate(islice(micro_batches, accumulation * progress.steps_per_epoch - skip),
-                                           start=skip):
+            epoch_left = islice(micro_batches, accumulation * progress.steps_per_epoch - skip)
+            for number, batch in enumerate(meter.timed(epoch_left), start=skip):  # timed: the train lines' data_wait
                 with accelerator.accumulate(model):  # no gradient all-reduce until the step's last micro-batch
                     terms = task.training_step(model, task.mix_batch(batch, progress.epoch, number))
                     accelerator.backward(terms["loss"])  # divided by the accumulation steps
@@ -204,7 +212,8 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
     return final
 
 
-def main_process_observers(config: Config, accelerator, task, start, classes, trackers: list[str]) -> Observers:
+def main_process_observers(config: Config, accelerator, task, start, train_data: Data,
+                           trackers: list[str]) -> Observers:
     """Only the main process prints and writes run files; the other processes have no observers."""
     if not accelerator.is_main_process:
         return Observers([])
@@ -215,12 +224,12 @@ def main_process_observers(config: Config, accelerator, task, start, classes, tr
                 f"{f'{change}, ' if change else ''}{info['device']}, mixed precision {info['mixed_precision']}"
                 f"{f', restart {restart} of at most {max_restarts} by the launcher' if restart else ''}")
     files = results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
-                       curves=config.train.plot, classes=classes is not None,
+                       curves=config.train.plot, classes=train_data.classes is not None,
                        checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
                        tracking=bool(trackers))
     watch = f"tensorboard --logdir {trackers_dir(config.output_dir)}" if "tensorboard" in trackers else None
-    return Observers([RunFolder(config, info, start, classes),
+    return Observers([RunFolder(config, info, start, train_data.classes),
                       Console(headline, config.output_dir, config.train.progress_bar, config.train.progress_every_s,
-                              files, watch),
+                              files, watch, slow_input_advice(config.data, train_data)),
                       *([Trackers(accelerator, config, info, resumed_here=start.in_output_dir)] if trackers else []),
                       *task.observers(config)])

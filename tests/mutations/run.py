@@ -196,6 +196,22 @@ MUTATIONS = [
              'parser.add_argument("--num_machines", type=int)',
              ("tests/test_multi_machine_start.py::test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_"
               "the_elastic_torchrun_command",)),
+    # meter.py, timed: the wait for each batch is what data_wait reports.
+    Mutation("the wait for a batch not counted (data_wait always 0, no warning for a slow input)",
+             "accel_train/training/meter.py", "self.waited += time.perf_counter() - asked", "pass",
+             ("tests/test_step_boundaries.py::-k data_wait or waits_for_data",)),
+    # layout.py, read_jsonl: only a last line cut short is skipped; a damaged one before others is named.
+    Mutation("a damaged metrics.jsonl line in the middle skipped silently",
+             "accel_train/run/layout.py", "if any(later.strip() for later in texts[number:]):", "if False:",
+             ("tests/test_watching.py::-k damaged",)),
+    # observers.py, leaving_room_for_an_echo: the terminal's "^C" echo must fit beside the bar.
+    Mutation("a bar as wide as the terminal (Ctrl-C's echo wraps and leaves a stale bar)",
+             "accel_train/run/observers.py", "return (max(1, columns - 2) if columns else columns), rows",
+             "return columns, rows", ("tests/test_watching.py::-k ctrl_c",)),
+    # loop.py: the observers close however training ends, so a stop line starts a line of its own.
+    Mutation("the bar left open when a signal stops the run (the stop line starts at the bar's end)",
+             "accel_train/training/loop.py", "as signals, observers:", "as signals:",
+             ("tests/test_watching.py::-k ctrl_c",)),
 ]
 
 
