@@ -43,6 +43,14 @@ class NonFiniteError(UserError):
     exit_code = 5
 
 
+class Stuck(Exception):
+    """No process made progress for train.stuck_after_s: each live process wrote its stacks to output_dir/stuck/, the
+    main process named the stopped ones in one line, and every process ended itself; exit code 6. Ended from the
+    watchdog's thread (run/watchdog.py), since the main thread is the one that is blocked: never raised."""
+
+    exit_code = 6
+
+
 class StorageError(UserError):
     """output_dir cannot be written (disk full, read-only, permission denied); exit code 74 (EX_IOERR)."""
 

@@ -210,6 +210,9 @@ class StopSignals:
         self.next_check: int | None = None  # None: at the first step asked
         self._last_check: tuple[int, float] | None = None  # (step, time) of the previous agreement
         self._previous = {}
+        # Set once this process is ending itself (run/watchdog.py: it stopped, or waits for one that did): a signal
+        # then changes nothing, and says nothing of a checkpoint that will not come.
+        self.quiet = False
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self._previous = {sig: signal.signal(sig, self._record) for sig in self.HANDLED}
 
@@ -222,7 +225,7 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _record(self, signum: int, frame) -> None:
-        if self.received is None:
+        if self.received is None and not self.quiet:
             self.received = signal.Signals(signum).name
             say(f"accel-train: {self.received} received by process {launcher_ranks()[0]}: saving a checkpoint at the "
                 "next agreed step, then exiting", error=True, nolock=True)

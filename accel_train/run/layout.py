@@ -10,6 +10,8 @@ A run folder (output_dir) is the unit users pass around (`eval RUN`, `predict RU
     curves.png                loss, eval metrics and LR
     checkpoints/step-N/       checkpoint.json (metadata) beside Accelerate's state and loop_state_P.json
     trackers/                 every tracker's local files (TensorBoard events, mlruns, .aim)
+    stuck/                    after a stall (train.stuck_after_s): process-P.txt, each process's stacks, beside
+                              process-P.json (where it was) and report.json (the main process's line)
 
 No torch import here: `runs`, `plot` and the checks before training read run folders before torch loads.
 """
@@ -36,6 +38,10 @@ CHECKPOINTS_DIR = "checkpoints"
 TRACKERS_DIR = "trackers"
 CHECKPOINT_META_FILE = "checkpoint.json"
 LOOP_STATE_FILE = "loop_state_{process}.json"  # one per process: the state of the loop's parts on that process
+STUCK_DIR = "stuck"
+STUCK_STACKS_FILE = "process-{process}.txt"  # faulthandler's dump of every thread of that process
+STUCK_RECORD_FILE = "process-{process}.json"  # where it was: phase, step, innermost frame, waiting in a collective
+STUCK_REPORT_FILE = "report.json"  # the main process's line; the others end once it is there
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -44,6 +50,10 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 
 def trackers_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / TRACKERS_DIR
+
+
+def stuck_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / STUCK_DIR
 
 
 def is_run(folder: Path) -> bool:

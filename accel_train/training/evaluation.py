@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from accel_train.config import Config
@@ -14,19 +16,22 @@ from accel_train.workloads.tasks import Task, task_named
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) -> dict:
+def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None,
+             on_batch: Callable[[], None] = lambda: None) -> dict:
     """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch.
-    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*."""
+    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*. `on_batch`: called
+    as each batch arrives (the loop's watchdog: progress)."""
     model.eval()
     metric = task.new_metric()
     for batch in loader:
+        on_batch()
         with accelerator.autocast():  # the EMA's module is not prepared, so not autocast by Accelerate
             metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
     metrics = metric.compute()
     if ema is None:
         return metrics
     raw = {f"raw_{name}": value for name, value in metrics.items() if name != "num_samples"}
-    return {**evaluate(accelerator, ema.model, task, loader), **raw}
+    return {**evaluate(accelerator, ema.model, task, loader, on_batch=on_batch), **raw}
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,

@@ -25,6 +25,7 @@ specifics live in a Task (tasks/). Every point where all processes must agree is
 whether a step is applied (guard.py, decided on the device), when the host reads that decision and stops
 or warns (`guard.check`), when processes agree on a stop signal, when a checkpoint is saved, when the run
 evaluates and ends. Observers (console, run folder, curves, trackers, pictures) only watch, on the main process.
+The watchdog (run/watchdog.py) hears of every micro-batch: a process that stops is named, and the job ends.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ from accel_train.launch.distributed import (
 )
 from accel_train.launch.settings import launcher_restarts
 from accel_train.run.checkpoint import Checkpoints
-from accel_train.run.layout import EMA_FILE, MODEL_FILE, results_of, trackers_dir
+from accel_train.run.layout import EMA_FILE, MODEL_FILE, results_of, stuck_dir, trackers_dir
 from accel_train.run.observers import Console, Observers
 from accel_train.run.progress import Progress
 from accel_train.run.tracking import Trackers
+from accel_train.run.watchdog import Watchdog
 from accel_train.run.weights import export
 from accel_train.run.writer import RunFolder
 from accel_train.training.accumulation import StepTerms, accumulation_steps, fit_micro_batch
@@ -130,16 +132,18 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
 
     def save(evaluated: bool) -> Path:
         guard.check(progress)  # never save past a non-finite step (stop policy)
-        with meter.paused():
+        with meter.paused(), watchdog.paused():
             return checkpoints.save(progress, evaluated)
 
     def validate(epoch_ends: bool) -> bool:
         """Evaluate on the validation split (the test set without one), select, save when due. True: stop early."""
         guard.check(progress)  # nothing is evaluated past a non-finite step
         with meter.paused():
-            progress.last_eval = evaluate(accelerator, model, task, val_loader or test_loader, ema)
+            progress.last_eval = evaluate(accelerator, model, task, val_loader or test_loader, ema,
+                                          watchdog.mark_evaluation)
         observers.on_eval(progress, progress.last_eval, selecting_split)
-        stop_early = selection.update(progress.last_eval, ema.model if ema else model)
+        with watchdog.paused():  # exports model_best.safetensors
+            stop_early = selection.update(progress.last_eval, ema.model if ema else model)
         stopping = signals.agreed(progress.step, now=True)
         last = stop_early or progress.step >= progress.total_steps
         if stopping or checkpoints.due_after_eval(progress.step, last, epoch_ends):
@@ -150,8 +154,10 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
             say(f"{selection.describe_stop()}: stopped at step {progress.step}")
         return stop_early
 
-    # SIGTERM / SIGINT are agreed on; the observers close however training ends (a stop line starts its own line)
-    with StopSignals(accelerator, config.train.collective_timeout_s) as signals, observers:
+    # SIGTERM / SIGINT are agreed on; a process without progress is named (train.stuck_after_s); the observers
+    # close however training ends (a stop line starts a line of its own)
+    with StopSignals(accelerator, config.train.collective_timeout_s) as signals, observers, \
+            Watchdog(accelerator, config.train, progress, stuck_dir(config.output_dir), signals) as watchdog:
         observers.on_train_start(progress)
         first_epoch = config.train.epochs if selection.stopped else start.epoch  # early stopping ended it
         for progress.epoch in range(first_epoch, config.train.epochs):
@@ -166,6 +172,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
                 start_epoch(micro_batches, progress.epoch, config.seed)
             epoch_left = islice(micro_batches, accumulation * progress.steps_per_epoch - skip)
             for number, batch in enumerate(meter.timed(epoch_left), start=skip):  # timed: the train lines' data_wait
+                watchdog.mark()  # progress: no report while micro-batches come (train.stuck_after_s)
                 with accelerator.accumulate(model):  # no gradient all-reduce until the step's last micro-batch
                     terms = task.training_step(model, task.mix_batch(batch, progress.epoch, number))
                     accelerator.backward(terms["loss"])  # divided by the accumulation steps
@@ -202,12 +209,13 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
         final = progress.last_eval
         if val_loader is not None:  # with a validation split, the test set is evaluated once, at the end
             with meter.paused():
-                final = evaluate(accelerator, model, task, test_loader, ema)
+                final = evaluate(accelerator, model, task, test_loader, ema, watchdog.mark_evaluation)
             observers.on_eval(progress, final, "test")
-        export(accelerator, model, Path(config.output_dir) / MODEL_FILE)
-        if ema:
-            export(accelerator, ema.model, Path(config.output_dir) / EMA_FILE)
-        observers.on_train_end(progress)
+        with watchdog.paused():
+            export(accelerator, model, Path(config.output_dir) / MODEL_FILE)
+            if ema:
+                export(accelerator, ema.model, Path(config.output_dir) / EMA_FILE)
+            observers.on_train_end(progress)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
     return final
 

@@ -190,6 +190,13 @@ MUTATIONS = [
              "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
              ("tests/test_elastic.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
               "finishes[killed]",)),
+    # watchdog.py, Watchdog._watch: the bound that makes every process dump its stacks and the main one name the
+    # stopped process; without it the others wait in their collective until train.collective_timeout_s.
+    Mutation("a stuck process is never named (the watchdog never fires)",
+             "accel_train/run/watchdog.py", "            if idle > self.bound:", "            if False:",
+             ("tests/test_stuck.py::test_a_blocked_worker_is_named_with_its_host_step_and_function_and_the_restarted_"
+              "run_resumes",
+              "tests/test_stuck.py::test_a_single_process_that_stops_names_itself_and_ends_with_exit_6")),
     # settings.py, add_arguments: accelerate launch takes one number of machines; a range asks for torchrun.
     Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
              "accel_train/launch/settings.py", 'parser.add_argument("--num_machines", type=machine_count)',
