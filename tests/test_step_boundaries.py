@@ -287,12 +287,12 @@ def test_a_run_that_waits_for_data_says_so_in_its_lines_its_summary_and_one_warn
                      "data.on_device=false", "data.num_workers=0", "train.plot=false", "train.progress_bar=false",
                      f"output_dir={tmp_path}")
     waits = [line["data_wait"] for line in read_metrics(tmp_path, "train")]
-    assert len(waits) == 4 and all(0.99 < wait <= 1.0 for wait in waits), waits
+    assert len(waits) == 4 and all(0.9 < wait <= 1.0 for wait in waits), waits  # 12 s of waiting a step
     printed = capsys.readouterr()
     warnings = [line for line in printed.err.splitlines() if "waiting for data" in line]
-    assert len(warnings) == 1 and re.match(r"accel-train: warning: (99|100)% of the training time up to step 2 was "
+    assert len(warnings) == 1 and re.match(r"accel-train: warning: (9\d|100)% of the training time up to step 2 was "
                                            "spent waiting for data", warnings[0]), printed.err
     assert warnings[0].endswith("CPU cores per process here)") and "(data_wait in metrics.jsonl); set " \
         "data.on_device=true (the dataset moves to the device once, augmented a batch at a time), or raise " \
         "data.num_workers (now 0; " in warnings[0], warnings[0]
-    assert re.search(r"samples/s while training, (99|100)% of it waiting for data", printed.out), printed.out
+    assert re.search(r"samples/s while training, (9\d|100)% of it waiting for data", printed.out), printed.out
