@@ -111,16 +111,22 @@ class RunFolder(Observer):
                 path.write_text("".join(lines_up_to(path.read_text().splitlines(keepends=True), self.start)))
             self.metrics = open(path, "a" if continued else "w", buffering=1)
             restart, _ = launcher_restarts()
-            train, world_size = self.config.train, self.launch_info["world_size"]
-            start = {"time": started, "host": host, "step": progress.step, "world_size": world_size,
-                     "launcher_restart": restart, "checkpoint_world_size": self.start.saved_world_size,
-                     # samples a process per forward pass (as micro_batch_size=auto found it, or a resume restored it)
-                     "micro_batch_size": train.micro_batch_size if isinstance(train.micro_batch_size, int)
-                     else train.batch_size // world_size // train.accumulation_steps}
+            start = {"time": started, "host": host, "step": progress.step,
+                     "world_size": self.launch_info["world_size"], "launcher_restart": restart,
+                     "checkpoint_world_size": self.start.saved_world_size,
+                     "micro_batch_size": self._micro_batch_size()}
             # History is kept wherever the run continues, even when no checkpoint was there to resume from.
             keep = self.start.in_output_dir or self.config.resume == "auto"
             with open(self.folder / STARTS_FILE, "a" if keep else "w") as starts:
                 starts.write(json.dumps(start) + "\n")
+
+    def _micro_batch_size(self) -> int:
+        """Samples a process per forward pass: as given, as micro_batch_size=auto found it or a resume restored it, or
+        from the accumulation steps."""
+        train = self.config.train
+        if isinstance(train.micro_batch_size, int):
+            return train.micro_batch_size
+        return train.batch_size // self.launch_info["world_size"] // train.accumulation_steps
 
     def on_log(self, progress: Progress, logs: dict) -> None:
         self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs}, progress)
