@@ -197,7 +197,7 @@ class AdaptiveEval:
 def out_of_memory_stops(accelerator: Accelerator, where: str, cfg: TrainConfig | None = None):
     """Running out of device memory inside becomes one line (OutOfDeviceMemory, exit 2) saying what to change.
     `where`: "micro-batch" (fixed by the config, or FSDP's), "optimizer step" (which no micro-batch helps), or
-    "evaluation" (anything but micro_batch_size=auto under DDP)."""
+    "evaluation" (`accel-train eval`, and training but with micro_batch_size=auto under DDP)."""
     try:
         yield
     except Exception as err:
@@ -214,8 +214,7 @@ def _remedy(accelerator: Accelerator, where: str, cfg: TrainConfig | None) -> st
                 "gradients do not depend on it); use a smaller model, an optimizer with less state "
                 "(train.optimizer=sgd), mixed precision, or FSDP")
     if where == "evaluation":
-        auto = "" if fsdp else ", or train.micro_batch_size=auto to halve it on the way"
-        return f"evaluating; set a smaller train.eval_batch_size (the metrics stay the same){auto}"
+        return "evaluating; set a smaller train.eval_batch_size (the metrics do not depend on it)"
     micro = cfg.batch_size // accelerator.num_processes // accelerator.gradient_accumulation_steps
     if fsdp:
         return (f"with {micro} sample(s) per micro-batch; under FSDP the micro-batch is not halved on the way (its "

@@ -78,8 +78,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
                                    str(trackers_dir(config.output_dir)))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
-    # micro_batch_size=auto (not under FSDP): a step or eval batch that runs out of memory is redone with half as many
-    auto = adapts(accelerator, auto=accumulation is None)
+    auto = accumulation is None
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True, given=train_dataset)
@@ -111,8 +110,9 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
         warn(accelerator, overrun)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     meter, selection = TrainMeter(accelerator, config.train.batch_size), ModelSelection(config, accelerator)
-    adaptive = AdaptiveMicroBatch(accelerator, config.train, task) if auto else None
-    adaptive_eval = AdaptiveEval(accelerator, config.train.collective_timeout_s) if auto else None
+    # micro_batch_size=auto (not under FSDP): a step or eval batch that runs out of memory is redone with half as many
+    adaptive = AdaptiveMicroBatch(accelerator, config.train, task) if adapts(accelerator, auto) else None
+    adaptive_eval = AdaptiveEval(accelerator, config.train.collective_timeout_s) if adaptive else None
     # What survives a resume beside the model, optimizer and scheduler: one entry a part.
     checkpoints = Checkpoints(config, accelerator, states={"progress": progress, "meter": meter,
                                                            "selection": selection,
