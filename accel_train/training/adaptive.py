@@ -12,10 +12,11 @@ run the step again. Single process: no agreement, the same catch and redo. Under
 inside forward) nothing is redone: running out stops the run in one line, as with a fixed micro-batch.
 
 The loader keeps the micro-batches the search before training chose (accumulation.py), so the data order, mixing and
-resume positions stay those of the plan; a step keeps its loaded micro-batches and splits each into 2, 4, ...
-equal chunks, each chunk's loss weighted by its share of the micro-batch, so the gradient is the mean over the
-step's samples as before. The chunk size is recorded (config, checkpoint, starts.jsonl) and a resume continues
-with it. Evaluation does the same per eval batch, agreeing before gather_for_metrics, so the metrics do not change.
+resume positions stay those of the plan; a step keeps its loaded micro-batches and splits each into equal chunks
+(halving: the largest divisor of the loaded micro-batch at most half the last chunk), each chunk's loss weighted by
+its share of the micro-batch, so the gradient is the mean over the step's samples as before. The chunk size is
+recorded (config, checkpoint, starts.jsonl) and a resume continues with it. Evaluation does the same per eval batch,
+agreeing before gather_for_metrics, so the metrics do not change.
 """
 
 from __future__ import annotations
