@@ -93,7 +93,8 @@ class TrainConfig:
                                   "batch_size / (processes x accumulation_steps) samples per micro-batch)", default=1)
     micro_batch_size: int | Literal["auto"] | None = doc(
         "samples per process per micro-batch; accumulation fills up batch_size (unset: batch_size / (processes x "
-        "accumulation_steps); auto: the largest that fits in device memory, found before training)", default=None)
+        "accumulation_steps); auto: the largest that fits in device memory, found before training and halved "
+        "whenever a step runs out of memory)", default=None)
     eval_batch_size: int = doc("global batch size for evaluation (does not change results)", default=1000)
     lr: float = doc("peak learning rate", default=1e-3)
     optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")

@@ -19,6 +19,14 @@ class UserError(Exception):
         super().__init__(message)
 
 
+class OutOfDeviceMemory(UserError):
+    """One process ran out of device memory where a smaller micro-batch is not taken (a fixed micro_batch_size, FSDP)
+    or does not help (the optimizer step); exit code 2, as for the setting to change. Reported by that process; the
+    launcher ends the others."""
+
+    on_every_process = False
+
+
 class DataNotFoundError(UserError):
     """A dataset or weights file is in none of the places we look, or cannot be read; exit code 3."""
 

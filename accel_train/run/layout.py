@@ -4,7 +4,8 @@ A run folder (output_dir) is the unit users pass around (`eval RUN`, `predict RU
 
     config.yaml               the resolved config and how the run was launched (itself a recipe)
     metrics.jsonl             one line per train log and per evaluation, as if the run never stopped
-    starts.jsonl              one line per start: fresh, resumed by hand, or restarted by the launcher
+    starts.jsonl              one line per start: fresh, resumed by hand, or restarted by the launcher; and one
+                              per halving of the micro-batch after running out of memory (micro_batch_size=auto)
     classes.json              the class names, so predict needs nothing but the run folder
     model.safetensors         the trained weights (model_ema / model_best beside them when asked for)
     curves.png                loss, eval metrics and LR
@@ -137,8 +138,20 @@ def read_lines(folder: Path) -> list[dict]:
     return read_jsonl(folder / METRICS_FILE)
 
 
+MICRO_BATCH_CHANGE = "micro_batch_size"  # the "event" of a line of starts.jsonl that is not a start
+
+
 def read_starts(folder: Path) -> list[dict]:
     """starts.jsonl: when, where and from which step each start of the run began ([] for runs older than it)."""
+    return [line for line in _history(folder) if "event" not in line]
+
+
+def read_micro_batch_changes(folder: Path) -> list[dict]:
+    """starts.jsonl's other lines: each halving of the micro-batch, {time, step, from, to, processes}."""
+    return [line for line in _history(folder) if line.get("event") == MICRO_BATCH_CHANGE]
+
+
+def _history(folder: Path) -> list[dict]:
     path = folder / STARTS_FILE
     return read_jsonl(path) if path.is_file() else []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from accel_train.console import say
 from accel_train.run.progress import Progress
-from accel_train.run.records import across_world_sizes, duration, summarize
+from accel_train.run.records import across_world_sizes, duration, ran_out, summarize
 
 
 class Observer:
@@ -21,6 +21,8 @@ class Observer:
     def on_log(self, progress: Progress, logs: dict) -> None: ...
     def on_step_end(self, progress: Progress) -> None: ...
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None: ...  # split: val or test
+    # micro_batch_size=auto halved the micro-batch: {step, from, to, processes} (the processes that ran out of memory)
+    def on_micro_batch_change(self, progress: Progress, change: dict) -> None: ...
     def on_train_end(self, progress: Progress) -> None: ...
     def close(self) -> None: ...  # the run ended, finished or stopped (a signal, an error): before its last line
 
@@ -46,6 +48,10 @@ class Observers(Observer):
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
         for observer in self.observers:
             observer.on_eval(progress, metrics, split)
+
+    def on_micro_batch_change(self, progress: Progress, change: dict) -> None:
+        for observer in self.observers:
+            observer.on_micro_batch_change(progress, change)
 
     def on_train_end(self, progress: Progress) -> None:
         for observer in self.observers:
@@ -167,6 +173,10 @@ def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
                      "the newest checkpoint (starts.jsonl)")
     for change in summary["world_size_changes"]:
         lines.append(f"  resumed    {across_world_sizes(change['to'], change['from'])}, at step {change['step']} "
+                     "(starts.jsonl)")
+    for change in summary["micro_batch_changes"]:
+        lines.append(f"  memory     {ran_out(change['processes'], summary['world_size'])} at step {change['step']}: "
+                     f"{change['from']} -> {change['to']} samples per micro-batch, the same global batch "
                      "(starts.jsonl)")
     lines.append(f"  files      {folder}/: {', '.join(files)}")
     if watch:

@@ -11,7 +11,7 @@ from itertools import takewhile
 from pathlib import Path
 
 from accel_train.config import flatten
-from accel_train.run.layout import read_config, read_lines, read_starts
+from accel_train.run.layout import read_config, read_lines, read_micro_batch_changes, read_starts
 
 START_FACTS = ("started", "host", "command")  # config.yaml's run.* facts of one start, different every time
 # Measured, not computed: they differ between identical runs. data_wait: the share of training time spent waiting
@@ -62,7 +62,16 @@ def summarize(folder: Path, name: str | None = None) -> dict:
         "world_size_changes": [{"step": start["step"], "from": start["checkpoint_world_size"],
                                 "to": start["world_size"]} for start in starts
                                if start.get("checkpoint_world_size") not in (None, start.get("world_size"))],
+        "micro_batch_changes": [{key: change[key] for key in ("step", "from", "to", "processes")}
+                                for change in read_micro_batch_changes(folder)],
     }
+
+
+def ran_out(processes: list[int], world_size: int | None) -> str:
+    """Who ran out of memory, as the summary says it."""
+    if world_size == 1:
+        return "ran out of memory"
+    return f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))} ran out of memory"
 
 
 def across_world_sizes(world_size: int, checkpoint_world_size: int) -> str:

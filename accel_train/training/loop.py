@@ -24,8 +24,9 @@ train.batch_size is global: N processes each take batch_size / N samples per opt
 specifics live in a Task (tasks/). Every point where all processes must agree is a call in this file:
 whether a step is applied (guard.py, decided on the device), when the host reads that decision and stops
 or warns (`guard.check`), when processes agree on a stop signal, when a checkpoint is saved, when the run
-evaluates and ends. Observers (console, run folder, curves, trackers, pictures) only watch, on the main process.
-The watchdog (run/watchdog.py) hears of every micro-batch: a process that stops is named, and the job ends.
+evaluates and ends; with micro_batch_size=auto, whether a step ran out of memory on any process (adaptive.py).
+Observers (console, run folder, curves, trackers, pictures) only watch, on the main process. The watchdog
+(run/watchdog.py) hears of every micro-batch: a process that stops is named, and the job ends.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from accel_train.run.watchdog import Watchdog
 from accel_train.run.weights import export
 from accel_train.run.writer import RunFolder
 from accel_train.training.accumulation import StepTerms, accumulation_steps, fit_micro_batch
+from accel_train.training.adaptive import AdaptiveEval, AdaptiveMicroBatch, adapts, out_of_memory_stops
 from accel_train.training.ema import WeightsEMA
 from accel_train.training.evaluation import evaluate
 from accel_train.training.guard import NonFiniteGuard, clip_gradients
@@ -85,6 +87,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
                                    str(trackers_dir(config.output_dir)))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
+    auto = accumulation is None
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True, given=train_dataset)
@@ -116,10 +119,14 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
         warn(accelerator, overrun)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     meter, selection = TrainMeter(accelerator, config.train.batch_size), ModelSelection(config, accelerator)
+    # micro_batch_size=auto (not under FSDP): a step or eval batch that runs out of memory is redone with half as many
+    adaptive = AdaptiveMicroBatch(accelerator, config.train, task) if adapts(accelerator, auto) else None
+    adaptive_eval = AdaptiveEval(accelerator, config.train.collective_timeout_s) if adaptive else None
     # What survives a resume beside the model, optimizer and scheduler: one entry a part.
     checkpoints = Checkpoints(config, accelerator, states={"progress": progress, "meter": meter,
                                                            "selection": selection,
-                                                           **({"ema": ema.averaged} if ema else {})})
+                                                           **({"ema": ema.averaged} if ema else {}),
+                                                           **({"micro_batch": adaptive} if adaptive else {})})
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
     step_terms = StepTerms(accumulation)
@@ -139,7 +146,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
         """Evaluate on the validation split (the test set without one), select, save when due. True: stop early."""
         guard.check(progress)  # nothing is evaluated past a non-finite step
         with meter.paused():
-            progress.last_eval = evaluate(accelerator, model, task, val_loader or test_loader, ema,
+            progress.last_eval = evaluate(accelerator, model, task, val_loader or test_loader, ema, adaptive_eval,
                                           watchdog.mark_evaluation)
         observers.on_eval(progress, progress.last_eval, selecting_split)
         with watchdog.paused():  # exports model_best.safetensors
@@ -173,16 +180,25 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
             epoch_left = islice(micro_batches, accumulation * progress.steps_per_epoch - skip)
             for number, batch in enumerate(meter.timed(epoch_left), start=skip):  # timed: the train lines' data_wait
                 watchdog.mark()  # progress: no report while micro-batches come (train.stuck_after_s)
-                with accelerator.accumulate(model):  # no gradient all-reduce until the step's last micro-batch
-                    terms = task.training_step(model, task.mix_batch(batch, progress.epoch, number))
-                    accelerator.backward(terms["loss"])  # divided by the accumulation steps
-                step_terms.add(terms)
-                if not accelerator.sync_gradients:
-                    continue
-                terms = step_terms.mean()
+                batch = task.mix_batch(batch, progress.epoch, number)
+                if adaptive:  # micro_batch_size=auto: the step's micro-batches are kept, then run together
+                    if not adaptive.keep(batch):
+                        continue
+                    # Every process runs them without all-reduce; then all agree (CPU group) whether any ran out of
+                    # memory, and if one did, all redo the step with half the micro-batch; then gradients are averaged.
+                    terms = adaptive.step(model, progress, observers)
+                else:  # no gradient all-reduce until the step's last micro-batch
+                    with accelerator.accumulate(model), out_of_memory_stops(accelerator, "micro-batch", config.train):
+                        terms = task.training_step(model, batch)
+                        accelerator.backward(terms["loss"])  # divided by the accumulation steps
+                    step_terms.add(terms)
+                    if not accelerator.sync_gradients:
+                        continue
+                    terms = step_terms.mean()
                 grad_norm = clip_gradients(accelerator, model, config.train.clip_grad_norm)
                 lr = scheduler.get_last_lr()[0]
-                skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read
+                with out_of_memory_stops(accelerator, "optimizer step"):
+                    skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if ema:
@@ -209,7 +225,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
         final = progress.last_eval
         if val_loader is not None:  # with a validation split, the test set is evaluated once, at the end
             with meter.paused():
-                final = evaluate(accelerator, model, task, test_loader, ema, watchdog.mark_evaluation)
+                final = evaluate(accelerator, model, task, test_loader, ema, adaptive_eval, watchdog.mark_evaluation)
             observers.on_eval(progress, final, "test")
         with watchdog.paused():
             export(accelerator, model, Path(config.output_dir) / MODEL_FILE)
