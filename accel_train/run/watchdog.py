@@ -72,6 +72,7 @@ class Watchdog:
         self.longest = 0.0  # the longest stretch between marks seen so far
         self.hosts, self.attempt = [], ""
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def mark(self, phase: str = TRAINING) -> None:
         """A micro-batch arrived: progress. Two stores, called at every micro-batch."""
@@ -99,11 +100,17 @@ class Watchdog:
             here = host_name()
             gathered = gather_object([(here, f"{here}-{os.getpid()}-{time.time()}")])
             self.hosts, self.attempt = [host for host, _ in gathered], gathered[0][1]
-            threading.Thread(target=self._watch, name="accel-train watchdog", daemon=True).start()
+            self._thread = threading.Thread(target=self._watch, name="accel-train watchdog", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        # Ended here, not left to the interpreter's exit: a daemon thread still running when Python finalizes is
+        # ended by pthread_exit, which aborted the process (SIGABRT, "terminate called without an active exception")
+        # after a signal's stop on a loaded machine.
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
     def _watch(self) -> None:
         tick = min(1.0, self.bound / 10)
