@@ -93,7 +93,8 @@ class TrainConfig:
                                   "batch_size / (processes x accumulation_steps) samples per micro-batch)", default=1)
     micro_batch_size: int | Literal["auto"] | None = doc(
         "samples per process per micro-batch; accumulation fills up batch_size (unset: batch_size / (processes x "
-        "accumulation_steps); auto: the largest that fits in device memory, found before training)", default=None)
+        "accumulation_steps); auto: the largest that fits in device memory, found before training and halved "
+        "whenever a step runs out of memory)", default=None)
     eval_batch_size: int = doc("global batch size for evaluation (does not change results)", default=1000)
     lr: float = doc("peak learning rate", default=1e-3)
     optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
@@ -145,6 +146,10 @@ class TrainConfig:
         "when installed, else none); local files go to output_dir/trackers/", default="auto")
     collective_timeout_s: int = doc("seconds a process waits for the others in a collective before the job fails "
                                     "(bounds the hang when a worker dies)", default=600)
+    stuck_after_s: float | None = doc(
+        "seconds without a micro-batch of training or evaluation (saves, exports and each start's first step not "
+        "timed) after which every process writes its stacks to output_dir/stuck/ and the main process names the "
+        "stopped ones in one line, exit 6; below collective_timeout_s (unset: half of it; 0 = off)", default=None)
     compile: bool = doc("torch.compile the model (exported weights are unaffected)", default=False)
     channels_last: bool = doc("channels_last memory format for conv nets (faster convolutions on GPU)", default=False)
 
@@ -202,7 +207,7 @@ _POSITIVE = {
 _NON_NEGATIVE = {"data.num_workers", "train.progress_every_s", "train.weight_decay", "train.label_smoothing",
                  "train.momentum", "train.warmup_steps", "train.lr_gamma",
                  "train.clip_grad_norm", "model.beta", "train.mixup_alpha", "train.cutmix_alpha",
-                 "train.early_stop_min_delta"}
+                 "train.early_stop_min_delta", "train.stuck_after_s"}
 _PROBABILITY = {"data.random_erasing", "train.mix_prob", "train.mix_switch_prob"}
 
 
@@ -432,6 +437,10 @@ def _check_ranges(config: Config) -> None:
     if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
         raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
                         "eval metric it watches, e.g. train.early_stop_metric=accuracy")
+    stuck, timeout = config.train.stuck_after_s, config.train.collective_timeout_s
+    if stuck and stuck >= timeout:
+        raise UserError(f"train.stuck_after_s={stuck:g} must be below train.collective_timeout_s={timeout}: the stuck "
+                        "report comes before torch's timeout ends the processes; lower the first or raise the second")
     if config.train.label_smoothing >= 1:
         raise UserError(f"train.label_smoothing: must be below 1, got {config.train.label_smoothing}")
 

@@ -19,6 +19,14 @@ class UserError(Exception):
         super().__init__(message)
 
 
+class OutOfDeviceMemory(UserError):
+    """One process ran out of device memory where a smaller micro-batch is not taken (a fixed micro_batch_size, FSDP)
+    or does not help (the optimizer step); exit code 2, as for the setting to change. Reported by that process; the
+    launcher ends the others."""
+
+    on_every_process = False
+
+
 class DataNotFoundError(UserError):
     """A dataset or weights file is in none of the places we look, or cannot be read; exit code 3."""
 
@@ -41,6 +49,14 @@ class NonFiniteError(UserError):
     """The loss or gradient norm became NaN or inf on some process; every process stopped at the same step."""
 
     exit_code = 5
+
+
+class Stuck(Exception):
+    """No process made progress for train.stuck_after_s: each live process wrote its stacks to output_dir/stuck/, the
+    main process named the stopped ones in one line, and every process ended itself; exit code 6. Ended from the
+    watchdog's thread (run/watchdog.py), since the main thread is the one that is blocked: never raised."""
+
+    exit_code = 6
 
 
 class StorageError(UserError):

@@ -134,8 +134,8 @@ def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.
 
 
 def start_launch(num_processes: int, *args: str, log: Path, profile: str = "multi_gpu.yaml",
-                 launcher_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    return start(_launch_command(num_processes, args, profile, launcher_args=launcher_args), log)
+                 launcher_args: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
+    return start(_launch_command(num_processes, args, profile, launcher_args=launcher_args), log, env)
 
 
 def _run(command: list[str], timeout: int, check: bool, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -30,6 +30,12 @@ Faults:
   learn of it through the guard's own reduction alone.
 - PROBE_OOM_ABOVE=N makes a micro-batch of more than N samples raise the device's out-of-memory error while
   train.micro_batch_size=auto searches (as a GPU with room for N would).
+- PROBE_OOM_AT=STEP:PROCESS[:SAMPLES] makes that process's training forward passes raise torch's out-of-memory error
+  (`CUDA out of memory. ...`, at the end of the forward pass, as a device that filled up there would) from optimizer
+  step STEP on, whenever they hold more than SAMPLES samples (default 0: any pass). The search before training
+  (PROBE_OOM_ABOVE's) is left alone.
+- PROBE_EVAL_OOM=PROCESS:SAMPLES does the same to that process's evaluation forward passes of more than SAMPLES
+  samples, at every evaluation.
 - PROBE_FSDP_ON_CPU=1: Accelerate forms FSDP only on GPUs (on CPU a FSDP profile trains with DDP); this makes
   the Accelerator take the FSDP path anyway, with the plugin the profile describes, so the loop, checkpoints and
   export run through FSDP2's fully_shard on a gloo group.
@@ -115,6 +121,74 @@ def out_of_memory_above(limit: int) -> None:
         return try_micro_batch(accelerator, task, model, data, probe_data, size)
 
     accumulation.try_micro_batch = try_or_run_out
+
+
+def numbers(name: str, spec: str, usage: str, count: int) -> list[int]:
+    """The whole numbers a PROBE_* variable holds, separated by colons, or one line naming it."""
+    parts = spec.split(":")
+    if not all(part.isdigit() for part in parts) or not count <= len(parts) <= len(usage.split(":")):
+        sys.exit(f"{name}={spec}: expected {usage}")
+    return [int(part) for part in parts]
+
+
+def out_of_memory_at(spec: str, setattr=setattr) -> None:
+    """PROBE_OOM_AT. `setattr`: pytest's monkeypatch.setattr in a test that runs training in its own process."""
+    from accelerate import PartialState
+    from accelerate.utils import find_batch_size
+
+    from accel_train.training import accumulation
+    from accel_train.workloads.tasks import TASKS
+
+    step, process, samples = [*numbers("PROBE_OOM_AT", spec, "STEP:PROCESS:SAMPLES", 2), 0][:3]
+    now, try_micro_batch = {}, accumulation.try_micro_batch
+
+    class Watched(loop.Progress):  # the loop's own count of optimizer steps, resumes included
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            now["progress"] = self
+
+    def searching(*args, **kwargs):  # before this run's Progress: no fault (a previous run's Progress is stale)
+        now.pop("progress", None)
+        return try_micro_batch(*args, **kwargs)
+
+    def runs_out(training_step):
+        def training_step_or_out_of_memory(self, model, batch):
+            terms = training_step(self, model, batch)
+            size = find_batch_size(batch)
+            if ("progress" in now and now["progress"].step + 1 >= step and size > samples
+                    and PartialState().process_index == process):
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} samples (PROBE_OOM_AT)")
+            return terms
+        return training_step_or_out_of_memory
+
+    setattr(loop, "Progress", Watched)
+    setattr(accumulation, "try_micro_batch", searching)
+    for name in TASKS.names():
+        task = TASKS.get(name)
+        setattr(task, "training_step", runs_out(task.training_step))
+
+
+def eval_out_of_memory(spec: str, setattr=setattr) -> None:
+    """PROBE_EVAL_OOM."""
+    from accelerate import PartialState
+    from accelerate.utils import find_batch_size
+
+    from accel_train.workloads.tasks import TASKS
+
+    process, samples = numbers("PROBE_EVAL_OOM", spec, "PROCESS:SAMPLES", 2)
+
+    def runs_out(eval_step):
+        def eval_step_or_out_of_memory(self, model, batch):
+            outputs = eval_step(self, model, batch)
+            size = find_batch_size(batch)
+            if size > samples and PartialState().process_index == process:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} samples (PROBE_EVAL_OOM)")
+            return outputs
+        return eval_step_or_out_of_memory
+
+    for name in TASKS.names():
+        task = TASKS.get(name)
+        setattr(task, "eval_step", runs_out(task.eval_step))
 
 
 def fsdp_on_cpu() -> None:
@@ -311,6 +385,10 @@ if __name__ == "__main__":
         inject_nonfinite(os.environ["PROBE_NONFINITE"])
     if os.environ.get("PROBE_OOM_ABOVE"):
         out_of_memory_above(whole_number("PROBE_OOM_ABOVE"))
+    if os.environ.get("PROBE_OOM_AT"):
+        out_of_memory_at(os.environ["PROBE_OOM_AT"])
+    if os.environ.get("PROBE_EVAL_OOM"):
+        eval_out_of_memory(os.environ["PROBE_EVAL_OOM"])
     if os.environ.get("PROBE_FSDP_ON_CPU"):
         fsdp_on_cpu()
     if os.environ.get("PROBE_CRASH_AFTER_SAVE"):

@@ -193,8 +193,11 @@ def test_ctrl_c_before_training_starts_exits_130_in_silence(tmp_path):
 
 
 def test_a_hung_process_fails_the_others_at_collective_timeout_s(tmp_path):
+    # The collective timeout alone (its own contract): without the watchdog, which would name the stopped process
+    # at half of it (test_stuck.py).
     log, timeout_s = tmp_path / "log", 5
-    job = start_launch(2, *RUN, f"output_dir={tmp_path}", f"train.collective_timeout_s={timeout_s}", log=log)
+    job = start_launch(2, *RUN, f"output_dir={tmp_path}", f"train.collective_timeout_s={timeout_s}",
+                       "train.stuck_after_s=0", log=log)
     wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path, "train"), job, log)
     worker = psutil.Process(job.pid).children()[-1]
     try:

@@ -5,7 +5,8 @@ c10d rendezvous), --max_restarts and resume=auto, as docs/multi-machine.md shows
 it lives in that machine's torchrun, so it is the one that must survive). Machine 1 is lost once the group has
 trained past a checkpoint, its launcher and workers together: killed (SIGKILL, as when a machine's processes die:
 the kernel closes their connections and the survivor's collective fails at once) or stopped (SIGSTOP, as when a
-machine stops answering: nothing is closed and the survivor's collective fails at train.collective_timeout_s).
+machine stops answering: nothing is closed, and the survivor's watchdog names the silent process at
+train.stuck_after_s, half of train.collective_timeout_s, and ends it with exit 6).
 Either way the survivor's worker exits non-zero and its torchrun restarts it without the lost machine, once that
 machine's rendezvous heartbeat has expired: at world size 1, from the newest checkpoint, to the end of the run. A
 machine started while another trains alone is taken in by a restart of the group (SIGTERM, a checkpoint), which
@@ -127,6 +128,9 @@ def test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoi
     final = read_metrics(out, "test")[-1]
     assert (final["step"], final["num_samples"]) == (total_steps, 50) and (out / "model.safetensors").is_file()
     log = survivor_log.read_text()
+    if how == signal.SIGSTOP:  # no connection closes: the watchdog names the silent process (at stuck_after_s, 4 s)
+        named = [line for line in log.splitlines() if line.startswith("accel-train: process ")]
+        assert named and ("did not answer" in named[0] or "the main process did not report" in named[0]), log[-3000:]
     assert re.search(r"training mnist_cnn on mnist: 1 process\(es\), resumed at 1 process\(es\) from a checkpoint of "
                      r"2, cpu, mixed precision no, restart 1 of at most 1 by the launcher", log), log[-3000:]
     print(f"\nmachine 1 {loss} at step {trained_to}: the survivor trained again at world size 1 from step "

@@ -13,7 +13,7 @@ import time
 import pytest
 from test_launch_paths import RUN, accelerate, check_path
 
-from accel_train.errors import LaunchError, UserError
+from accel_train.errors import UserError
 from accel_train.launch.command import JOIN_TIMEOUT_S, split_arguments
 from accel_train.launch.settings import launch_settings
 from conftest import PROFILES, PYTHON, REPO, _env, free_port, train_in_process
@@ -98,8 +98,9 @@ def test_accel_train_launch_takes_its_timeout_in_either_spelling_and_passes_the_
     assert split_arguments(["--join_timeout=60", *rest]) == (60.0, rest)
     assert split_arguments(rest) == (JOIN_TIMEOUT_S, rest)
     for wrong in (["--join_timeout", "soon", *rest], ["--join_timeout=-1", *rest], ["--join_timeout"]):
-        with pytest.raises(LaunchError, match="give the seconds to wait for the other machines"):
+        with pytest.raises(UserError, match="give the seconds to wait for the other machines") as refused:
             split_arguments(wrong)
+        assert type(refused.value) is UserError, "a command-line mistake: exit 2, as README's table says"
 
 
 def test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_the_elastic_torchrun_command():

@@ -2,6 +2,7 @@
 checkpoint is saved, where a resumed run continues, what of metrics.jsonl it keeps."""
 
 import json
+import re
 import sys
 from collections import Counter
 
@@ -236,3 +237,62 @@ def test_samples_per_s_of_a_training_run_leaves_out_its_evaluations_and_checkpoi
         assert any(start <= step < start + 4 for step in evaluated_at), (start, evaluated_at)
         assert any(start <= step < start + 4 for step in saved_at), (start, saved_at)
     assert all(line["samples_per_s"] > 1.0 for line in lines), [line["samples_per_s"] for line in lines]
+
+
+def test_data_wait_is_the_share_of_training_time_spent_waiting_for_batches(monkeypatch):
+    from accelerate import Accelerator
+
+    from accel_train.training import meter as meter_module
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(meter_module.time, "perf_counter", lambda: clock["now"])
+    meter = meter_module.TrainMeter(Accelerator(cpu=True), global_batch=32)
+
+    def batches():
+        for _ in range(4):
+            clock["now"] += 1.5  # the loader takes 1.5 s a batch
+            yield "batch"
+
+    for _ in meter.timed(batches()):
+        clock["now"] += 0.5  # the step computes for 0.5 s
+        meter.update({"loss": torch.tensor(1.0)}, skipped=torch.tensor(0.0))
+        with meter.paused():  # an evaluation: neither training nor waiting
+            clock["now"] += 10
+    logs = meter.compute()
+    assert logs["data_wait"] == pytest.approx(1.5 / 2.0) and logs["samples_per_s"] == pytest.approx(4 * 32 / 8.0)
+    assert meter.compute()["data_wait"] == 0.0  # the next line counts from there
+
+
+def test_a_run_that_waits_for_data_says_so_in_its_lines_its_summary_and_one_warning_naming_the_knob(
+        tmp_path, monkeypatch, capsys):
+    """Every sample of the file-backed path costs 1 s on the meter's clock (the clock is moved, nothing sleeps):
+    nearly all of each train line's time is waiting. Evaluation samples cost it too, and must not count."""
+    import time
+    from types import SimpleNamespace
+
+    from accel_train.training import meter
+    from accel_train.workloads import data
+
+    lost = {"s": 0.0}
+    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + lost["s"]))
+    getitems = data.KeyedSamples.__getitems__
+
+    def slow_getitems(self, indices):
+        lost["s"] += len(indices)
+        return getitems(self, indices)
+
+    monkeypatch.setattr(data.KeyedSamples, "__getitems__", slow_getitems)
+    train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=12",
+                     "train.batch_size=12", "train.eval_batch_size=12", "train.epochs=1", "train.log_every_steps=2",
+                     "data.on_device=false", "data.num_workers=0", "train.plot=false", "train.progress_bar=false",
+                     f"output_dir={tmp_path}")
+    waits = [line["data_wait"] for line in read_metrics(tmp_path, "train")]
+    assert len(waits) == 4 and all(0.9 < wait <= 1.0 for wait in waits), waits  # 12 s of waiting a step
+    printed = capsys.readouterr()
+    warnings = [line for line in printed.err.splitlines() if "waiting for data" in line]
+    assert len(warnings) == 1 and re.match(r"accel-train: warning: (9\d|100)% of the training time up to step 2 was "
+                                           "spent waiting for data", warnings[0]), printed.err
+    assert warnings[0].endswith("CPU cores per process here)") and "(data_wait in metrics.jsonl); set " \
+        "data.on_device=true (the dataset moves to the device once, augmented a batch at a time), or raise " \
+        "data.num_workers (now 0; " in warnings[0], warnings[0]
+    assert re.search(r"samples/s while training, (9\d|100)% of it waiting for data", printed.out), printed.out

@@ -379,8 +379,11 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
         accel_train.predict("imagefolder", run, tmp_path, settings)
     broken = tmp_path / "broken.jpg"
     broken.write_bytes((image_run / "inputs" / "photo_01.jpg").read_bytes()[:100])
-    with pytest.raises(UnreadableFileError, match=f"cannot read {broken}"):
-        accel_train.predict("imagefolder", run, broken, settings)
+    not_an_image = tmp_path / "notes.txt"
+    not_an_image.write_text("not an image")
+    for unreadable in (broken, not_an_image):  # named as predict's input, not as a dataset the user never named
+        with pytest.raises(UnreadableFileError, match=f"^predict: cannot read {unreadable} as an image"):
+            accel_train.predict("imagefolder", run, unreadable, settings)
     with pytest.raises(UserError, match="data.name=user_models:points \\(trained with imagefolder\\)"):
         accel_train.predict(USER_RECIPE, run, broken, ["data.name=user_models:points"])
     from accel_train.training.prediction import predict  # past the run's check: a recipe whose data are not images

@@ -169,6 +169,40 @@ def test_training_draws_curves_png_and_plot_overlays_several_runs(two_runs, tmp_
     assert under_a_file.stderr.strip().startswith(f"accel-train: error: cannot write {picture}/x.png while drawing")
 
 
+def test_runs_names_a_damaged_metrics_line_before_the_last_and_skips_only_a_last_line_cut_short(two_runs, tmp_path):
+    import shutil
+
+    run = tmp_path / "damaged"
+    shutil.copytree(two_runs / "fast", run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([*lines, lines[-1][:20]]) + "\n")  # a crash cut the last one short
+    whole = run_cli("runs", str(run)).stdout.splitlines()[1].split()
+    assert whole[4] == str(json.loads(lines[-1])["step"]), whole
+    (run / "metrics.jsonl").write_text("\n".join([*lines[:2], lines[2][:20], *lines[3:]]) + "\n")
+    refused = run_cli("runs", str(run), check=False)
+    assert refused.returncode == 3, refused  # a damaged file (README's exit codes)
+    assert refused.stderr.strip().startswith(f"accel-train: error: {run / 'metrics.jsonl'} line 3 is damaged ("), \
+        refused.stderr
+
+
+def test_plot_of_runs_without_a_validation_split_shows_only_the_test_split(tmp_path):
+    from accel_train.run.plots import draw_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"split": "train", "epoch": 0, "step": 2, "loss": 2.0, "lr": 0.1, "samples_per_s": 5.0},
+             {"split": "test", "epoch": 0, "step": 2, "loss": 1.5, "accuracy": 0.5, "num_samples": 10}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    figure = draw_runs([run], ["run"])
+    legends = {axes.get_title(): [text.get_text() for text in axes.get_legend().get_texts()]
+               for axes in figure.axes if axes.get_legend() is not None}
+    assert legends == {"eval loss": ["test"], "eval accuracy": ["test"]}, legends
+    lines.append({**lines[1], "split": "val"})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    legends = [text.get_text() for text in draw_runs([run], ["run"]).axes[1].get_legend().get_texts()]
+    assert legends == ["val", "test"], legends
+
+
 def test_log_with_none_writes_no_tracker_files_and_a_missing_tracker_is_named(two_runs, tmp_path):
     assert (two_runs / "base" / "trackers").is_dir() == installed("tensorboard")
     assert not (two_runs / "fast" / "trackers").exists()
@@ -186,20 +220,30 @@ def test_log_with_none_writes_no_tracker_files_and_a_missing_tracker_is_named(tw
         assert not (tmp_path / "new").exists()
 
 
-def screen(raw: str) -> list[str]:
-    """The lines a terminal shows at the end: each carriage return rewrites its line from the first column."""
-    shown_lines = []
-    for line in raw.replace("\r\n", "\n").split("\n"):
-        shown = ""
-        for part in line.split("\r"):
-            shown = part + shown[len(part):]
-        shown_lines.append(shown.rstrip())
-    return [line for line in shown_lines if line]
+def screen(raw: str, columns: int = 120) -> list[str]:
+    """The lines a terminal of `columns` shows at the end: a carriage return rewrites its line from the first column,
+    and a character written past the last column starts a new line (the terminal wraps; nothing here uses escapes)."""
+    rows, row, column = [[]], 0, 0
+    for char in raw.replace("\r\n", "\n"):
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            row, column = row + 1, 0
+        else:
+            if column == columns:
+                row, column = row + 1, 0
+            rows.extend([] for _ in range(row + 1 - len(rows)))
+            line = rows[row]
+            line.extend(" " * (column + 1 - len(line)))
+            line[column] = char
+            column += 1
+    return [shown for shown in ("".join(line).rstrip() for line in rows) if shown]
 
 
-def run_in_a_terminal(command: list[str], cwd) -> tuple[int, str]:
-    """`command` with stdout and stderr on a pseudo-terminal of 120 columns, in the user's environment (no
-    TQDM_DISABLE): what a person at the terminal sees, byte for byte."""
+def run_in_a_terminal(command: list[str], cwd, columns: int = 120, interrupt_when=None) -> tuple[int, str]:
+    """`command` with stdout and stderr on a pseudo-terminal of `columns`, in the user's environment (no
+    TQDM_DISABLE): what a person at the terminal sees, byte for byte. `interrupt_when(output so far)`: once true,
+    Ctrl-C is typed, as a person would (the terminal echoes it and signals the command's process group)."""
     import fcntl
     import os
     import pty
@@ -209,10 +253,15 @@ def run_in_a_terminal(command: list[str], cwd) -> tuple[int, str]:
     import termios
 
     primary, secondary = pty.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     env = {key: value for key, value in os.environ.items() if key not in ("TQDM_DISABLE", "WORLD_SIZE")}
+
+    def own_terminal() -> None:  # a session of its own, with this terminal controlling it: Ctrl-C reaches it
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
     process = subprocess.Popen(command, stdin=secondary, stdout=secondary, stderr=secondary, cwd=cwd,
-                               env={**env, "HF_HUB_OFFLINE": "1"})
+                               env={**env, "HF_HUB_OFFLINE": "1"}, preexec_fn=own_terminal)
     os.close(secondary)
     output = b""
     while True:
@@ -224,6 +273,9 @@ def run_in_a_terminal(command: list[str], cwd) -> tuple[int, str]:
         if ready and not chunk:
             break
         output += chunk
+        if interrupt_when is not None and interrupt_when(output.decode(errors="replace")):
+            os.write(primary, b"\x03")
+            interrupt_when = None
         if not ready and process.poll() is not None:
             break
     os.close(primary)
@@ -252,6 +304,26 @@ def test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar(tmp_path):
     assert len(messages) == 5 and all(re.fullmatch(r"checkpoint step \d+ saved in demo/checkpoints/step-\d+ .*|"
                                                    r"epoch 0 step 20 test: num_samples 500, .*", line)
                                       for line in messages), lines
+
+
+def test_ctrl_c_in_a_wide_terminal_leaves_one_bar_and_the_stop_line_on_a_line_of_its_own(tmp_path):
+    """Typed in a 160-column terminal while the bar runs: the terminal echoes "^C" after the bar, which on a bar as
+    wide as the terminal wrapped to a new line and left a stale copy of the bar; and the stop line, printed after
+    an open bar, began at its end."""
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "accel-train"
+    code, raw = run_in_a_terminal([str(script), "train", *RUN, "data.train_subset=4096", "train.epochs=1",
+                                   "output_dir=run"], tmp_path, columns=160,
+                                  interrupt_when=lambda shown: re.search(r"\| [1-9]\d/\d+ \[", shown))
+    lines = screen(raw, columns=160)
+    assert code == 75, lines
+    bars = [line for line in lines if re.search(r"\d+%\|", line)]
+    assert len(bars) == 1 and len(bars[0]) < 160, lines
+    stop = [line for line in lines if "stopped by SIGINT" in line]
+    assert len(stop) == 1 and stop[0].startswith("accel-train: stopped by SIGINT at step "), lines
+    assert lines.index(stop[0]) == len(lines) - 1, lines
 
 
 def test_a_resume_opens_its_tensorboard_events_after_the_second_of_the_earlier_ones(tmp_path):

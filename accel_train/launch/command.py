@@ -27,7 +27,7 @@ import sys
 import time
 from datetime import datetime, timedelta
 
-from accel_train.errors import LaunchError
+from accel_train.errors import LaunchError, UserError
 from accel_train.launch.rendezvous import reachable, store_answers
 from accel_train.launch.settings import launch_settings
 
@@ -50,7 +50,7 @@ def split_arguments(argv: list[str]) -> tuple[float, list[str]]:
         except ValueError:
             timeout = -1
         if timeout <= 0:
-            raise LaunchError(f"--join_timeout={value}: give the seconds to wait for the other machines, e.g. 300")
+            raise UserError(f"--join_timeout={value}: give the seconds to wait for the other machines, e.g. 300")
         return timeout, rest
     return JOIN_TIMEOUT_S, list(argv)
 

@@ -1,8 +1,10 @@
 """Process-group concerns live here; ranks and the environment are read in settings.py alone.
 
 Forming the group on whatever hardware is present, launch checks (world size, batch splits), stop signals and
-the few collectives the loop's decisions need. The rest of the package sees an `Accelerator` and calls
-`prepare`, `backward`, `gather_for_metrics` and Accelerator's main-process helpers.
+the few collectives the loop's decisions need: agreements over a CPU (gloo) group, which need no device sync, and
+the gradient average of a step that ran without DDP's own all-reduce (micro_batch_size=auto). The rest of the
+package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics` and Accelerator's main-process
+helpers.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ def has_accelerator_device() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
-def dataloader_workers(requested: int | str) -> int:
-    """data.num_workers: a number as given; auto, the CPU cores this process may use divided among the processes
-    on this machine (torch warns above the cores it sees), at most 8."""
-    if requested != "auto":
-        return int(requested)
+def cores_per_process() -> int:
+    """The CPU cores this process may use divided among the processes on this machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(8, cores // (launcher_settings().local_world_size or 1))
+    return cores // (launcher_settings().local_world_size or 1)
+
+
+def dataloader_workers(requested: int | str) -> int:
+    """data.num_workers: a number as given; auto, the cores per process (torch warns above the cores it sees),
+    at most 8."""
+    return int(requested) if requested != "auto" else min(8, cores_per_process())
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),
@@ -161,6 +166,93 @@ def any_process(flag: bool | torch.Tensor, accelerator: Accelerator) -> bool:
     return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
+def shards_gradients(accelerator: Accelerator) -> bool:
+    """FSDP: each process holds a shard of the gradients, and its forward and backward passes gather and scatter."""
+    return "FSDP" in str(accelerator.distributed_type)
+
+
+_CPU_GROUP: dict = {}  # the process group it was made in ("world") and the gloo group ("group")
+
+
+def cpu_group(timeout_s: float):
+    """The group processes agree over without touching the device: the default group where that is gloo (CPU
+    training), else a gloo group beside NCCL's, made once per process group. The first call must come at the same
+    point on every process (torch's new_group requires it); later calls return the same group."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if _CPU_GROUP.get("world") is not dist.group.WORLD:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        _CPU_GROUP.update(world=dist.group.WORLD, group=group)
+    return _CPU_GROUP["group"]
+
+
+def processes_where(flag: bool, accelerator: Accelerator, timeout_s: float) -> list[int]:
+    """The processes on which `flag` is true, on every process: one all-reduce (max) of a CPU tensor of one flag per
+    process over the CPU group. Values the host already holds, so no device-to-host read; a network round trip per
+    call on several machines (docs/scale.md measures it)."""
+    if accelerator.num_processes == 1:
+        return [0] if flag else []
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.zeros(accelerator.num_processes)
+    flags[accelerator.process_index] = float(flag)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(timeout_s))
+    return [process for process, value in enumerate(flags.tolist()) if value]
+
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def average_gradients(model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """After backward passes under no_sync: every process's gradients become their mean over the processes, and
+    process 0's buffers (BatchNorm statistics) every process's, as DDP's all-reduce in backward and its buffer
+    broadcast before the next forward would have made them. Flat buckets over the default (device) group."""
+    # Hand-written: Accelerate offers no "sync now" once backward has run under no_sync (its trigger_sync_in_backward
+    # needs a backward still to come), and DDP's reducer all-reduces only from inside a backward pass.
+    if accelerator.num_processes == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    gradients = []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            if parameter.grad is None:  # unused this step: DDP's zeros, so every process reduces the same tensors
+                parameter.grad = torch.zeros_like(parameter)
+            gradients.append(parameter.grad)
+    world = accelerator.num_processes
+    for flat in _coalesced(gradients):
+        flat.div_(world)  # then summed: DDP's default hook (allreduce_hook) does the same
+        dist.all_reduce(flat)
+    if getattr(model, "broadcast_buffers", False):
+        for flat in _coalesced(list(model.buffers())):
+            dist.broadcast(flat, src=0)
+
+
+def _coalesced(tensors: list[torch.Tensor]):
+    """Yields flat buckets of `tensors` (grouped by dtype and device, up to BUCKET_BYTES); what is done to a bucket
+    while the caller holds it is copied back into its tensors."""
+    import torch
+
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group in groups.values():
+        bucket, size = [], 0
+        for index, tensor in enumerate(group):
+            bucket.append(tensor)
+            size += tensor.numel() * tensor.element_size()
+            if size >= BUCKET_BYTES or index == len(group) - 1:
+                flat = torch.cat([part.reshape(-1) for part in bucket])
+                yield flat
+                for part, synced in zip(bucket, flat.split([part.numel() for part in bucket])):
+                    part.copy_(synced.view_as(part))
+                bucket, size = [], 0
+
+
 SIGNAL_CHECK_S = 2.0  # how often processes agree on a stop signal: well inside launchers' 30 s grace before SIGKILL
 MAX_STEPS_BETWEEN_CHECKS = 10_000
 
@@ -201,12 +293,14 @@ class StopSignals:
         import threading
 
         self.accelerator = accelerator
-        self.timeout = timedelta(seconds=collective_timeout_s)
-        self._group = None
+        self.timeout_s = collective_timeout_s
         self.received: str | None = None
         self.next_check: int | None = None  # None: at the first step asked
         self._last_check: tuple[int, float] | None = None  # (step, time) of the previous agreement
         self._previous = {}
+        # Set once this process is ending itself (run/watchdog.py: it stopped, or waits for one that did): a signal
+        # then changes nothing, and says nothing of a checkpoint that will not come.
+        self.quiet = False
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self._previous = {sig: signal.signal(sig, self._record) for sig in self.HANDLED}
 
@@ -219,7 +313,7 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _record(self, signum: int, frame) -> None:
-        if self.received is None:
+        if self.received is None and not self.quiet:
             self.received = signal.Signals(signum).name
             say(f"accel-train: {self.received} received by process {launcher_ranks()[0]}: saving a checkpoint at the "
                 "next agreed step, then exiting", error=True, nolock=True)
@@ -242,10 +336,7 @@ class StopSignals:
         if self._last_check is not None and step > self._last_check[0]:
             seconds_per_step = (clock - self._last_check[1]) / (step - self._last_check[0])
         flags = torch.tensor([float(self.received is not None), seconds_per_step])
-        if self._group is None:  # every process gets here at the same step, as new_group requires
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout) \
-                if dist.get_backend() != "gloo" else dist.group.WORLD
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))
         received, slowest = flags.tolist()
         self.next_check = step + steps_between_checks(slowest)
         self._last_check = (step, time.perf_counter())

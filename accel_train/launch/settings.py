@@ -34,6 +34,11 @@ def launcher_restarts() -> tuple[int, int]:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
 
 
+def host_name() -> str:
+    """This machine's name, as a run's records and reports give it."""
+    return socket.gethostname()
+
+
 def is_reporting_process() -> bool:
     """True on the one process that should print user errors raised before the Accelerator exists."""
     return launcher_ranks()[0] == 0

@@ -4,12 +4,15 @@ A run folder (output_dir) is the unit users pass around (`eval RUN`, `predict RU
 
     config.yaml               the resolved config and how the run was launched (itself a recipe)
     metrics.jsonl             one line per train log and per evaluation, as if the run never stopped
-    starts.jsonl              one line per start: fresh, resumed by hand, or restarted by the launcher
+    starts.jsonl              one line per start: fresh, resumed by hand, or restarted by the launcher; and one
+                              per halving of the micro-batch after running out of memory (micro_batch_size=auto)
     classes.json              the class names, so predict needs nothing but the run folder
     model.safetensors         the trained weights (model_ema / model_best beside them when asked for)
     curves.png                loss, eval metrics and LR
     checkpoints/step-N/       checkpoint.json (metadata) beside Accelerate's state and loop_state_P.json
     trackers/                 every tracker's local files (TensorBoard events, mlruns, .aim)
+    stuck/                    after a stall (train.stuck_after_s): process-P.txt, each process's stacks, beside
+                              process-P.json (where it was) and report.json (the main process's line)
 
 No torch import here: `runs`, `plot` and the checks before training read run folders before torch loads.
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from accel_train.errors import UserError
+from accel_train.errors import UnreadableFileError, UserError
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -36,6 +39,10 @@ CHECKPOINTS_DIR = "checkpoints"
 TRACKERS_DIR = "trackers"
 CHECKPOINT_META_FILE = "checkpoint.json"
 LOOP_STATE_FILE = "loop_state_{process}.json"  # one per process: the state of the loop's parts on that process
+STUCK_DIR = "stuck"
+STUCK_STACKS_FILE = "process-{process}.txt"  # faulthandler's dump of every thread of that process
+STUCK_RECORD_FILE = "process-{process}.json"  # where it was: phase, step, innermost frame, waiting in a collective
+STUCK_REPORT_FILE = "report.json"  # the main process's line; the others end once it is there
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -44,6 +51,10 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 
 def trackers_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / TRACKERS_DIR
+
+
+def stuck_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / STUCK_DIR
 
 
 def is_run(folder: Path) -> bool:
@@ -106,13 +117,19 @@ def results_of(*, ema: bool, best: bool, curves: bool, classes: bool, checkpoint
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A JSON-lines file as written so far; a last line cut short by a crash ends it."""
+    """A JSON-lines file as written so far. A last line cut short by a crash is left out; a damaged line before
+    others is named (UnreadableFileError), never a silent end of what is shown."""
+    texts = path.read_text().splitlines()
     lines = []
-    for text in path.read_text().splitlines():
+    for number, text in enumerate(texts, start=1):
+        if not text.strip():
+            continue
         try:
             lines.append(json.loads(text))
-        except ValueError:
-            break
+        except ValueError as err:
+            if any(later.strip() for later in texts[number:]):
+                raise UnreadableFileError(f"{path} line {number} is damaged ({err}); only a last line cut short "
+                                          "by a crash is skipped: repair or delete that line") from None
     return lines
 
 
@@ -121,8 +138,20 @@ def read_lines(folder: Path) -> list[dict]:
     return read_jsonl(folder / METRICS_FILE)
 
 
+MICRO_BATCH_CHANGE = "micro_batch_size"  # the "event" of a line of starts.jsonl that is not a start
+
+
 def read_starts(folder: Path) -> list[dict]:
     """starts.jsonl: when, where and from which step each start of the run began ([] for runs older than it)."""
+    return [line for line in _history(folder) if "event" not in line]
+
+
+def read_micro_batch_changes(folder: Path) -> list[dict]:
+    """starts.jsonl's other lines: each halving of the micro-batch, {time, step, from, to, processes}."""
+    return [line for line in _history(folder) if line.get("event") == MICRO_BATCH_CHANGE]
+
+
+def _history(folder: Path) -> list[dict]:
     path = folder / STARTS_FILE
     return read_jsonl(path) if path.is_file() else []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from accel_train.console import say
 from accel_train.run.progress import Progress
-from accel_train.run.records import across_world_sizes, duration, summarize
+from accel_train.run.records import across_world_sizes, duration, ran_out, summarize
 
 
 class Observer:
@@ -21,11 +21,14 @@ class Observer:
     def on_log(self, progress: Progress, logs: dict) -> None: ...
     def on_step_end(self, progress: Progress) -> None: ...
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None: ...  # split: val or test
+    # micro_batch_size=auto halved the micro-batch: {step, from, to, processes} (the processes that ran out of memory)
+    def on_micro_batch_change(self, progress: Progress, change: dict) -> None: ...
     def on_train_end(self, progress: Progress) -> None: ...
+    def close(self) -> None: ...  # the run ended, finished or stopped (a signal, an error): before its last line
 
 
 class Observers(Observer):
-    """Tells every observer, in any order."""
+    """Tells every observer, in any order; `with observers:` closes them however training ends."""
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = list(observers)
@@ -46,9 +49,26 @@ class Observers(Observer):
         for observer in self.observers:
             observer.on_eval(progress, metrics, split)
 
+    def on_micro_batch_change(self, progress: Progress, change: dict) -> None:
+        for observer in self.observers:
+            observer.on_micro_batch_change(progress, change)
+
     def on_train_end(self, progress: Progress) -> None:
         for observer in self.observers:
             observer.on_train_end(progress)
+
+    def close(self) -> None:
+        for observer in self.observers:
+            observer.close()
+
+    def __enter__(self) -> Observers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+SLOW_INPUT_SHARE = 0.3  # a train line whose data_wait is above this says which knob feeds the steps faster
 
 
 class Console(Observer):
@@ -59,10 +79,11 @@ class Console(Observer):
     """
 
     def __init__(self, headline: str, output_dir: str, progress_bar: bool, progress_every_s: float,
-                 files: list[str], watch: str | None = None) -> None:
+                 files: list[str], watch: str | None = None, slow_input: str = "") -> None:
         self.headline, self.output_dir, self.files, self.watch = headline, output_dir, files, watch
         self.progress_bar, self.progress_every_s = progress_bar, progress_every_s
         self.bar, self.latest, self.epoch_shown = None, {}, None
+        self.slow_input, self.said_slow_input = slow_input, False  # the knob for this data path, said once
 
     def on_train_start(self, progress: Progress) -> None:
         from tqdm.auto import tqdm
@@ -75,6 +96,8 @@ class Console(Observer):
                             disable=None, desc=f"epoch {self.epoch_shown}")
             if self.bar.disable:
                 self.bar = None
+            elif callable(self.bar.dynamic_ncols):  # tqdm asks it the terminal's width at every refresh
+                self.bar.dynamic_ncols = leaving_room_for_an_echo(self.bar.dynamic_ncols)
         self.clock = self.printed_at = time.perf_counter()
         self.first_step = progress.step
 
@@ -82,6 +105,10 @@ class Console(Observer):
         self.latest = logs
         if self.bar is not None:
             self.bar.set_postfix_str(progress_terms(logs), refresh=False)
+        if logs.get("data_wait", 0.0) > SLOW_INPUT_SHARE and not self.said_slow_input:
+            self.said_slow_input = True
+            say(f"accel-train: warning: {logs['data_wait']:.0%} of the training time up to step {progress.step} was "
+                f"spent waiting for data (data_wait in metrics.jsonl); {self.slow_input}", error=True)
 
     def on_step_end(self, progress: Progress) -> None:
         if self.bar is not None:
@@ -106,15 +133,32 @@ class Console(Observer):
         say(f"epoch {progress.epoch} step {progress.step} {split}: {shown(metrics)}")
 
     def on_train_end(self, progress: Progress) -> None:
+        self.close()
+        print(summary_block(summarize(Path(self.output_dir)), self.files, self.watch), flush=True)
+
+    def close(self) -> None:
+        """The bar is left as it stands, and what follows (the summary, a stop or error line) starts a line."""
         if self.bar is not None:
             self.bar.close()
-        print(summary_block(summarize(Path(self.output_dir)), self.files, self.watch), flush=True)
+            self.bar = None
+
+
+def leaving_room_for_an_echo(terminal_size):
+    """A bar 2 columns short of the terminal: the terminal echoes Ctrl-C as "^C" after the bar, and on a full-width
+    bar that echo wraps to a new line, so tqdm then clears that line and leaves a stale copy of the bar above."""
+    def size(stream) -> tuple[int | None, int | None]:
+        columns, rows = terminal_size(stream)
+        return (max(1, columns - 2) if columns else columns), rows
+
+    return size
 
 
 def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
     """What a user wants to know when a run ends: how long, how fast, how good, and where its files are."""
     folder = summary["folder"]
     speed = f"{summary['samples_per_s']:.0f} samples/s while training" if summary["samples_per_s"] else "no train line"
+    if summary["data_wait"] is not None:
+        speed += f", {summary['data_wait']:.0%} of it waiting for data"
     lines = [f"done: {summary['steps']} steps, {summary['epochs']} epoch(s), {summary['world_size']} process(es), "
              f"mixed precision {summary['mixed_precision']}",
              f"  wall time  {duration(summary['wall_s'])} ({speed})"]
@@ -129,6 +173,10 @@ def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
                      "the newest checkpoint (starts.jsonl)")
     for change in summary["world_size_changes"]:
         lines.append(f"  resumed    {across_world_sizes(change['to'], change['from'])}, at step {change['step']} "
+                     "(starts.jsonl)")
+    for change in summary["micro_batch_changes"]:
+        lines.append(f"  memory     {ran_out(change['processes'], summary['world_size'])} at step {change['step']}: "
+                     f"{change['from']} -> {change['to']} samples per micro-batch, the same global batch "
                      "(starts.jsonl)")
     lines.append(f"  files      {folder}/: {', '.join(files)}")
     if watch:

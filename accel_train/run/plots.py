@@ -17,6 +17,14 @@ SPLIT_STYLE = {"val": {"linestyle": "-", "marker": "o"}, "test": {"linestyle": "
 
 def plot_runs(folders: list[Path], output: Path, names: list[str]) -> Path:
     """One PNG with a panel for the train loss terms, one per eval metric, and one for the learning rate."""
+    figure = draw_runs(folders, names)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100, pil_kwargs={"compress_level": 1})  # fast; the picture is small anyway
+    return output
+
+
+def draw_runs(folders: list[Path], names: list[str]):
+    """The figure plot_runs saves; eval panels show the splits the runs evaluated (val, test) and no other."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -27,6 +35,7 @@ def plot_runs(folders: list[Path], output: Path, names: list[str]) -> Path:
     evals = [line for _, lines in runs for line in lines if line["split"] != "train"]
     counts = {key for line in evals for key, value in line.items() if isinstance(value, int)}  # num_samples, correct
     metrics = ordered({key for line in evals for key in eval_metrics(line)} - NOT_PLOTTED - counts)
+    splits = {split: style for split, style in SPLIT_STYLE.items() if any(line["split"] == split for line in evals)}
     panels = [("train loss", "train", train_terms)] if train_terms else []
     panels += [(f"eval {metric}", "eval", [metric]) for metric in metrics]
     panels.append(("learning rate", "train", ["lr"]))
@@ -47,23 +56,21 @@ def plot_runs(folders: list[Path], output: Path, names: list[str]) -> Path:
                 for term, style in zip(keys, ("-", "--", "-.", ":")):
                     axes.plot(*series(lines, ("train",), term), color=color, linestyle=style)
             else:
-                for split, style in SPLIT_STYLE.items():
+                for split, style in splits.items():
                     axes.plot(*series(lines, (split,), keys[0]), color=color, markersize=4, **style)
         if kind == "train" and len(keys) > 1:
             axes.legend([Line2D([], [], color="black", linestyle=s) for s in ("-", "--", "-.", ":")[:len(keys)]],
                         keys, fontsize="small")
         if kind == "eval":
-            axes.legend([Line2D([], [], color="black", **style) for style in SPLIT_STYLE.values()],
-                        list(SPLIT_STYLE), fontsize="small")
+            axes.legend([Line2D([], [], color="black", **style) for style in splits.values()], list(splits),
+                        fontsize="small")
         axes.set_title(title)
         axes.set_xlim(left=0)
         axes.set_xlabel("optimizer step (dotted: epoch ends)")
         axes.grid(alpha=0.3)
     figure.legend([Line2D([], [], color=f"C{n % 10}") for n in range(len(runs))], [name for name, _ in runs],
                   loc="upper center", ncols=min(4, len(runs)), frameon=False)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100, pil_kwargs={"compress_level": 1})  # fast; the picture is small anyway
-    return output
+    return figure
 
 
 def series(lines: list[dict], splits: tuple[str, ...], key: str) -> tuple[list[int], list[float]]:

@@ -11,10 +11,12 @@ from itertools import takewhile
 from pathlib import Path
 
 from accel_train.config import flatten
-from accel_train.run.layout import read_config, read_lines, read_starts
+from accel_train.run.layout import read_config, read_lines, read_micro_batch_changes, read_starts
 
 START_FACTS = ("started", "host", "command")  # config.yaml's run.* facts of one start, different every time
-TIMING = ("samples_per_s", "elapsed_s", "time")  # measured, not computed: they differ between identical runs
+# Measured, not computed: they differ between identical runs. data_wait: the share of training time spent waiting
+# for the next batch, on the process that waited longest.
+TIMING = ("samples_per_s", "data_wait", "elapsed_s", "time")
 
 
 def eval_metrics(line: dict) -> dict:
@@ -54,12 +56,22 @@ def summarize(folder: Path, name: str | None = None) -> dict:
         "final": None if final is None else {"split": final["split"], "step": final["step"],
                                              "metrics": eval_metrics(final)},
         "wall_s": next((line["elapsed_s"] for line in reversed(lines) if "elapsed_s" in line), None),
-        "samples_per_s": training_throughput(train, (config.get("train") or {}).get("batch_size")),
+        **dict(zip(("samples_per_s", "data_wait"),
+                   training_throughput(train, (config.get("train") or {}).get("batch_size")))),
         "starts": len(starts), "restarts": sum(1 for start in starts if start.get("launcher_restart")),
         "world_size_changes": [{"step": start["step"], "from": start["checkpoint_world_size"],
                                 "to": start["world_size"]} for start in starts
                                if start.get("checkpoint_world_size") not in (None, start.get("world_size"))],
+        "micro_batch_changes": [{key: change[key] for key in ("step", "from", "to", "processes")}
+                                for change in read_micro_batch_changes(folder)],
     }
+
+
+def ran_out(processes: list[int], world_size: int | None) -> str:
+    """Who ran out of memory, as the summary says it."""
+    if world_size == 1:
+        return "ran out of memory"
+    return f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))} ran out of memory"
 
 
 def across_world_sizes(world_size: int, checkpoint_world_size: int) -> str:
@@ -67,17 +79,22 @@ def across_world_sizes(world_size: int, checkpoint_world_size: int) -> str:
     return f"at {world_size} process(es) from a checkpoint of {checkpoint_world_size}"
 
 
-def training_throughput(train_lines: list[dict], batch_size: int | None) -> float | None:
+def training_throughput(train_lines: list[dict], batch_size: int | None) -> tuple[float | None, float | None]:
     """Samples per second over the whole run, evaluation and checkpoint time left out: every train line's rate
-    weighted by the steps it covers (the total samples over the total time)."""
-    steps = seconds = 0.0
-    previous = 0
+    weighted by the steps it covers (the total samples over the total time); and the share of that time spent
+    waiting for data (None for runs older than data_wait)."""
+    steps = seconds = waited = 0.0
+    previous, waits = 0, True
     for line in train_lines:
         rate, covered = line.get("samples_per_s"), line["step"] - previous
         previous = line["step"]
         if isinstance(rate, (int, float)) and rate > 0 and covered > 0 and batch_size:
             steps, seconds = steps + covered, seconds + covered * batch_size / rate
-    return steps * batch_size / seconds if seconds else None
+            waits = waits and "data_wait" in line
+            waited += covered * batch_size / rate * line.get("data_wait", 0.0)
+    if not seconds:
+        return None, None
+    return steps * batch_size / seconds, waited / seconds if waits else None
 
 
 def duration(seconds: float | None) -> str:

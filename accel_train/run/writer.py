@@ -19,6 +19,7 @@ from accel_train.run.layout import (
     CONFIG_FILE,
     CURVES_FILE,
     METRICS_FILE,
+    MICRO_BATCH_CHANGE,
     STARTS_FILE,
     checkpoints_dir,
     held_results,
@@ -89,7 +90,8 @@ class RunFolder(Observer):
 
     A run resumed from one of its own checkpoints keeps the lines that checkpoint had seen and appends, so
     metrics.jsonl reads as if the run had never stopped (lines the run that died wrote after it are dropped).
-    starts.jsonl is the run's history instead: every start adds a line and none is dropped, so restarts show.
+    starts.jsonl is the run's history instead: every start adds a line and none is dropped, so restarts show; so does
+    every halving of the micro-batch after running out of memory (micro_batch_size=auto).
     """
 
     def __init__(self, config: Config, launch_info: dict, start: ResumePoint, classes: list[str] | None) -> None:
@@ -111,14 +113,27 @@ class RunFolder(Observer):
             restart, _ = launcher_restarts()
             start = {"time": started, "host": host, "step": progress.step,
                      "world_size": self.launch_info["world_size"], "launcher_restart": restart,
-                     "checkpoint_world_size": self.start.saved_world_size}
+                     "checkpoint_world_size": self.start.saved_world_size,
+                     "micro_batch_size": self._micro_batch_size()}
             # History is kept wherever the run continues, even when no checkpoint was there to resume from.
             keep = self.start.in_output_dir or self.config.resume == "auto"
             with open(self.folder / STARTS_FILE, "a" if keep else "w") as starts:
                 starts.write(json.dumps(start) + "\n")
 
+    def _micro_batch_size(self) -> int:
+        """Samples a process per forward pass: as given, as micro_batch_size=auto found it or a resume restored it, or
+        from the accumulation steps."""
+        train = self.config.train
+        if isinstance(train.micro_batch_size, int):
+            return train.micro_batch_size
+        return train.batch_size // self.launch_info["world_size"] // train.accumulation_steps
+
     def on_log(self, progress: Progress, logs: dict) -> None:
         self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs}, progress)
+
+    def on_micro_batch_change(self, progress: Progress, change: dict) -> None:
+        with writing(self.folder / STARTS_FILE, "writing starts.jsonl"), open(self.folder / STARTS_FILE, "a") as starts:
+            starts.write(json.dumps({"time": now(), **change, "event": MICRO_BATCH_CHANGE}) + "\n")
 
     def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
         self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics}, progress)

@@ -2,31 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from accel_train.config import Config
 from accel_train.errors import UserError
 from accel_train.launch.distributed import make_accelerator, round_up_to_world
 from accel_train.run.weights import load_weights, read_weights, weights_file
+from accel_train.training.adaptive import AdaptiveEval, out_of_memory_stops
 from accel_train.training.ema import WeightsEMA
 from accel_train.workloads.data import build_dataset, hold_out_validation, make_loader
 from accel_train.workloads.tasks import Task, task_named
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None) -> dict:
+def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None,
+             adaptive: AdaptiveEval | None = None, on_batch: Callable[[], None] = lambda: None) -> dict:
     """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch.
-    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*."""
+    With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*. `adaptive`
+    (micro_batch_size=auto): a batch that runs out of memory on any process is evaluated again in smaller chunks.
+    `on_batch`: called as each batch arrives (the loop's watchdog: progress)."""
     model.eval()
     metric = task.new_metric()
     for batch in loader:
-        with accelerator.autocast():  # the EMA's module is not prepared, so not autocast by Accelerate
-            metric.add_batch(**accelerator.gather_for_metrics(task.eval_step(model, batch)))
+        on_batch()
+        # the EMA's module is not prepared, so not autocast by Accelerate
+        with accelerator.autocast(), out_of_memory_stops(accelerator, "evaluation"):
+            outputs = adaptive.eval_step(task, model, batch) if adaptive else task.eval_step(model, batch)
+            metric.add_batch(**accelerator.gather_for_metrics(outputs))  # after the processes agreed (adaptive)
     metrics = metric.compute()
     if ema is None:
         return metrics
     raw = {f"raw_{name}": value for name, value in metrics.items() if name != "num_samples"}
-    return {**evaluate(accelerator, ema.model, task, loader), **raw}
+    return {**evaluate(accelerator, ema.model, task, loader, adaptive=adaptive, on_batch=on_batch), **raw}
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,

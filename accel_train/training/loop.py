@@ -24,7 +24,9 @@ train.batch_size is global: N processes each take batch_size / N samples per opt
 specifics live in a Task (tasks/). Every point where all processes must agree is a call in this file:
 whether a step is applied (guard.py, decided on the device), when the host reads that decision and stops
 or warns (`guard.check`), when processes agree on a stop signal, when a checkpoint is saved, when the run
-evaluates and ends. Observers (console, run folder, curves, trackers, pictures) only watch, on the main process.
+evaluates and ends; with micro_batch_size=auto, whether a step ran out of memory on any process (adaptive.py).
+Observers (console, run folder, curves, trackers, pictures) only watch, on the main process. The watchdog
+(run/watchdog.py) hears of every micro-batch: a process that stops is named, and the job ends.
 """
 
 from __future__ import annotations
@@ -49,20 +51,29 @@ from accel_train.launch.distributed import (
 )
 from accel_train.launch.settings import launcher_restarts
 from accel_train.run.checkpoint import Checkpoints
-from accel_train.run.layout import EMA_FILE, MODEL_FILE, results_of, trackers_dir
+from accel_train.run.layout import EMA_FILE, MODEL_FILE, results_of, stuck_dir, trackers_dir
 from accel_train.run.observers import Console, Observers
 from accel_train.run.progress import Progress
 from accel_train.run.tracking import Trackers
+from accel_train.run.watchdog import Watchdog
 from accel_train.run.weights import export
 from accel_train.run.writer import RunFolder
 from accel_train.training.accumulation import StepTerms, accumulation_steps, fit_micro_batch
+from accel_train.training.adaptive import AdaptiveEval, AdaptiveMicroBatch, adapts, out_of_memory_stops
 from accel_train.training.ema import WeightsEMA
 from accel_train.training.evaluation import evaluate
 from accel_train.training.guard import NonFiniteGuard, clip_gradients
 from accel_train.training.meter import TrainMeter
 from accel_train.training.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
 from accel_train.training.selection import ModelSelection
-from accel_train.workloads.data import build_dataset, hold_out_validation, make_loader, start_epoch
+from accel_train.workloads.data import (
+    Data,
+    build_dataset,
+    hold_out_validation,
+    make_loader,
+    slow_input_advice,
+    start_epoch,
+)
 from accel_train.workloads.models import tune_for_device
 from accel_train.workloads.tasks import Task
 
@@ -76,6 +87,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
                                    str(trackers_dir(config.output_dir)))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
+    auto = accumulation is None
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True, given=train_dataset)
@@ -107,14 +119,18 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
         warn(accelerator, overrun)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     meter, selection = TrainMeter(accelerator, config.train.batch_size), ModelSelection(config, accelerator)
+    # micro_batch_size=auto (not under FSDP): a step or eval batch that runs out of memory is redone with half as many
+    adaptive = AdaptiveMicroBatch(accelerator, config.train, task) if adapts(accelerator, auto) else None
+    adaptive_eval = AdaptiveEval(accelerator, config.train.collective_timeout_s) if adaptive else None
     # What survives a resume beside the model, optimizer and scheduler: one entry a part.
     checkpoints = Checkpoints(config, accelerator, states={"progress": progress, "meter": meter,
                                                            "selection": selection,
-                                                           **({"ema": ema.averaged} if ema else {})})
+                                                           **({"ema": ema.averaged} if ema else {}),
+                                                           **({"micro_batch": adaptive} if adaptive else {})})
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     guard = NonFiniteGuard(config.train.on_nonfinite, accelerator)
     step_terms = StepTerms(accumulation)
-    observers = main_process_observers(config, accelerator, task, start, train_data.classes, trackers)
+    observers = main_process_observers(config, accelerator, task, start, train_data, trackers)
     selecting_split = "val" if val_loader is not None else "test"
     if (config.checkpoint.best_metric or config.train.early_stop_patience) and val_loader is None:
         warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
@@ -123,16 +139,18 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
 
     def save(evaluated: bool) -> Path:
         guard.check(progress)  # never save past a non-finite step (stop policy)
-        with meter.paused():
+        with meter.paused(), watchdog.paused():
             return checkpoints.save(progress, evaluated)
 
     def validate(epoch_ends: bool) -> bool:
         """Evaluate on the validation split (the test set without one), select, save when due. True: stop early."""
         guard.check(progress)  # nothing is evaluated past a non-finite step
         with meter.paused():
-            progress.last_eval = evaluate(accelerator, model, task, val_loader or test_loader, ema)
+            progress.last_eval = evaluate(accelerator, model, task, val_loader or test_loader, ema, adaptive_eval,
+                                          watchdog.mark_evaluation)
         observers.on_eval(progress, progress.last_eval, selecting_split)
-        stop_early = selection.update(progress.last_eval, ema.model if ema else model)
+        with watchdog.paused():  # exports model_best.safetensors
+            stop_early = selection.update(progress.last_eval, ema.model if ema else model)
         stopping = signals.agreed(progress.step, now=True)
         last = stop_early or progress.step >= progress.total_steps
         if stopping or checkpoints.due_after_eval(progress.step, last, epoch_ends):
@@ -143,7 +161,10 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
             say(f"{selection.describe_stop()}: stopped at step {progress.step}")
         return stop_early
 
-    with StopSignals(accelerator, config.train.collective_timeout_s) as signals:  # SIGTERM / SIGINT
+    # SIGTERM / SIGINT are agreed on; a process without progress is named (train.stuck_after_s); the observers
+    # close however training ends (a stop line starts a line of its own)
+    with StopSignals(accelerator, config.train.collective_timeout_s) as signals, observers, \
+            Watchdog(accelerator, config.train, progress, stuck_dir(config.output_dir), signals) as watchdog:
         observers.on_train_start(progress)
         first_epoch = config.train.epochs if selection.stopped else start.epoch  # early stopping ended it
         for progress.epoch in range(first_epoch, config.train.epochs):
@@ -156,18 +177,28 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
             micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
             if skip:  # before accelerate 1.15 the skipping loader starts over at epoch 0: the wrong order
                 start_epoch(micro_batches, progress.epoch, config.seed)
-            for number, batch in enumerate(islice(micro_batches, accumulation * progress.steps_per_epoch - skip),
-                                           start=skip):
-                with accelerator.accumulate(model):  # no gradient all-reduce until the step's last micro-batch
-                    terms = task.training_step(model, task.mix_batch(batch, progress.epoch, number))
-                    accelerator.backward(terms["loss"])  # divided by the accumulation steps
-                step_terms.add(terms)
-                if not accelerator.sync_gradients:
-                    continue
-                terms = step_terms.mean()
+            epoch_left = islice(micro_batches, accumulation * progress.steps_per_epoch - skip)
+            for number, batch in enumerate(meter.timed(epoch_left), start=skip):  # timed: the train lines' data_wait
+                watchdog.mark()  # progress: no report while micro-batches come (train.stuck_after_s)
+                batch = task.mix_batch(batch, progress.epoch, number)
+                if adaptive:  # micro_batch_size=auto: the step's micro-batches are kept, then run together
+                    if not adaptive.keep(batch):
+                        continue
+                    # Every process runs them without all-reduce; then all agree (CPU group) whether any ran out of
+                    # memory, and if one did, all redo the step with half the micro-batch; then gradients are averaged.
+                    terms = adaptive.step(model, progress, observers)
+                else:  # no gradient all-reduce until the step's last micro-batch
+                    with accelerator.accumulate(model), out_of_memory_stops(accelerator, "micro-batch", config.train):
+                        terms = task.training_step(model, batch)
+                        accelerator.backward(terms["loss"])  # divided by the accumulation steps
+                    step_terms.add(terms)
+                    if not accelerator.sync_gradients:
+                        continue
+                    terms = step_terms.mean()
                 grad_norm = clip_gradients(accelerator, model, config.train.clip_grad_norm)
                 lr = scheduler.get_last_lr()[0]
-                skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read
+                with out_of_memory_stops(accelerator, "optimizer step"):
+                    skipped = guard.step(optimizer, terms, grad_norm, progress.step + 1)  # on the device: no host read
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if ema:
@@ -194,17 +225,19 @@ def train(config: Config, task: Task, trackers: list[str], *, model: torch.nn.Mo
         final = progress.last_eval
         if val_loader is not None:  # with a validation split, the test set is evaluated once, at the end
             with meter.paused():
-                final = evaluate(accelerator, model, task, test_loader, ema)
+                final = evaluate(accelerator, model, task, test_loader, ema, adaptive_eval, watchdog.mark_evaluation)
             observers.on_eval(progress, final, "test")
-        export(accelerator, model, Path(config.output_dir) / MODEL_FILE)
-        if ema:
-            export(accelerator, ema.model, Path(config.output_dir) / EMA_FILE)
-        observers.on_train_end(progress)
+        with watchdog.paused():
+            export(accelerator, model, Path(config.output_dir) / MODEL_FILE)
+            if ema:
+                export(accelerator, ema.model, Path(config.output_dir) / EMA_FILE)
+            observers.on_train_end(progress)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
     return final
 
 
-def main_process_observers(config: Config, accelerator, task, start, classes, trackers: list[str]) -> Observers:
+def main_process_observers(config: Config, accelerator, task, start, train_data: Data,
+                           trackers: list[str]) -> Observers:
     """Only the main process prints and writes run files; the other processes have no observers."""
     if not accelerator.is_main_process:
         return Observers([])
@@ -215,12 +248,12 @@ def main_process_observers(config: Config, accelerator, task, start, classes, tr
                 f"{f'{change}, ' if change else ''}{info['device']}, mixed precision {info['mixed_precision']}"
                 f"{f', restart {restart} of at most {max_restarts} by the launcher' if restart else ''}")
     files = results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
-                       curves=config.train.plot, classes=classes is not None,
+                       curves=config.train.plot, classes=train_data.classes is not None,
                        checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
                        tracking=bool(trackers))
     watch = f"tensorboard --logdir {trackers_dir(config.output_dir)}" if "tensorboard" in trackers else None
-    return Observers([RunFolder(config, info, start, classes),
+    return Observers([RunFolder(config, info, start, train_data.classes),
                       Console(headline, config.output_dir, config.train.progress_bar, config.train.progress_every_s,
-                              files, watch),
+                              files, watch, slow_input_advice(config.data, train_data)),
                       *([Trackers(accelerator, config, info, resumed_here=start.in_output_dir)] if trackers else []),
                       *task.observers(config)])

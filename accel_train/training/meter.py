@@ -1,8 +1,10 @@
-"""The train-line meter: loss terms summed on the device, read and averaged over processes only when a line is due."""
+"""The train-line meter: loss terms summed on the device, read and averaged over processes only when a line is due;
+the share of training time spent waiting for data, timed on the host."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +27,7 @@ class TrainMeter:
         self.sums: torch.Tensor | None = None
         self.counted = torch.zeros((), device=self.accelerator.device)  # steps in the sums (skipped ones are not)
         self.steps, self.started = 0, time.perf_counter()  # every step since the clock started, for samples/s
+        self.waited = 0.0  # seconds spent waiting for the next batch since the clock started
 
     def update(self, terms: dict[str, torch.Tensor], skipped: torch.Tensor) -> None:
         if not self.names:
@@ -34,6 +37,22 @@ class TrainMeter:
         self.sums = values if self.sums is None else self.sums + values
         self.counted = self.counted + (skipped == 0)
         self.steps += 1
+
+    def timed(self, batches: Iterable) -> Iterator:
+        """`batches`, with the time each one was waited for counted: the data_wait share of a train line.
+
+        Host time in the loader (reading, decoding, augmenting, copying to the device) is time the step did not
+        compute: with a GPU the host runs ahead of the device, so a wait here is time the device may sit idle.
+        """
+        iterator = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - asked
+            yield batch
 
     @contextmanager
     def paused(self):
@@ -47,13 +66,18 @@ class TrainMeter:
     def compute(self) -> dict[str, float]:
         """Averages over all processes and the steps since the last line (a collective: one host read)."""
         logs = {}
+        elapsed = time.perf_counter() - self.started
+        waiting = min(1.0, self.waited / elapsed) if elapsed > 0 else 0.0
         if self.sums is not None:
-            means = self.accelerator.reduce(self.sums / self.counted, reduction="mean")
-            *values, counted = torch.cat([means, self.counted.reshape(1)]).tolist()
+            # One gather for both: the terms' mean over processes, and the longest wait (the others wait for it).
+            mine = torch.cat([self.sums / self.counted, self.counted.reshape(1),
+                              torch.tensor([waiting], device=self.counted.device)])
+            every = self.accelerator.gather(mine.reshape(1, -1))  # one row a process
+            *values, counted, waiting = torch.cat([every[:, :-1].mean(0), every[:, -1].max().reshape(1)]).tolist()
             if counted:  # every step since the last line may have been skipped (train.on_nonfinite=skip)
                 logs = dict(zip(self.names, values))
-        elapsed = time.perf_counter() - self.started
         logs["samples_per_s"] = self.steps * self.global_batch / elapsed if elapsed > 0 else float("nan")
+        logs["data_wait"] = waiting
         self._reset()
         return logs
 

@@ -52,7 +52,7 @@ class ImageFiles(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int):
-        return self.convert(load_image(str(self.files[index]))), index
+        return self.convert(load_image(str(self.files[index]), reader="predict")), index
 
 
 def predict(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,

@@ -31,7 +31,7 @@ from torchvision.transforms import v2
 from accel_train.config import DataConfig
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
 from accel_train.import_paths import check_call, import_object, is_given_object, is_import_path
-from accel_train.launch.distributed import dataloader_workers
+from accel_train.launch.distributed import cores_per_process, dataloader_workers
 from accel_train.workloads.registry import Registry
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -416,12 +416,14 @@ def _imagefolder_transform(cfg: DataConfig, train: bool) -> v2.Compose:
                        *erase])
 
 
-def load_image(path: str) -> Image.Image:
-    """torchvision's loader, with a damaged file named in one line (from a DataLoader worker too)."""
+def load_image(path: str, reader: str = "imagefolder") -> Image.Image:
+    """torchvision's loader, with a damaged file named in one line (from a DataLoader worker too); the line starts
+    with `reader`, what the user asked to read it (a dataset, or predict)."""
     try:
         return torchvision.datasets.folder.default_loader(path)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise UnreadableFileError(f"imagefolder: cannot read {path} ({err}); delete or replace that file") from None
+        what = "delete or replace that file" if reader == "imagefolder" else "give image files only"
+        raise UnreadableFileError(f"{reader}: cannot read {path} as an image ({err}); {what}") from None
 
 
 def _imagefolder_split(root: Path, train: bool) -> Path:
@@ -562,6 +564,19 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
         loader.dataset.set_epoch(epoch, seed)
     elif isinstance(loader.dataset, KeyedSamples):
         loader.dataset.key_epoch(epoch, seed)
+
+
+def slow_input_advice(cfg: DataConfig, data: Data) -> str:
+    """The knob that feeds this data path's steps faster, for the warning a high data_wait brings."""
+    if data.in_memory and cfg.on_device:  # batches are cut and augmented on the device, in the step's stream
+        return "these batches are cut and augmented on the device: lower data.image_size or turn data.augment off"
+    on_device = "set data.on_device=true (the dataset moves to the device once, augmented a batch at a time), or " \
+        if data.in_memory else ""
+    workers, cores = dataloader_workers(cfg.num_workers), cores_per_process()
+    if workers < cores:
+        return f"{on_device}raise data.num_workers (now {workers}; {cores} CPU cores per process here)"
+    return (f"{on_device}lower data.image_size, lighten augmentation or read from faster storage: all {workers} "
+            f"DataLoader workers are busy ({cores} CPU cores per process here)")
 
 
 def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device,

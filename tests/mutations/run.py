@@ -53,8 +53,8 @@ MUTATIONS = [
              "micro_batches = train_loader",
              ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
     Mutation("gather instead of gather_for_metrics (eval counts the last batch's padding)",
-             "accel_train/training/evaluation.py", "accelerator.gather_for_metrics(task.eval_step(model, batch))",
-             "accelerator.gather(task.eval_step(model, batch))",
+             "accel_train/training/evaluation.py", "accelerator.gather_for_metrics(outputs)",
+             "accelerator.gather(outputs)",
              ("tests/test_distributed.py::test_eval_is_exact_at_any_world_size",)),
     Mutation("checkpoint metadata written before the files (published, then saved into)",
              "accel_train/run/checkpoint.py", "            accelerator.save_state(str(partial))\n",
@@ -68,7 +68,8 @@ MUTATIONS = [
              "HANDLED = (signal.SIGINT,)",
              ("tests/test_checkpoint.py::-k single_process",)),
     Mutation("stop signal decided without the all-reduce (each process decides alone)",
-             "accel_train/launch/distributed.py", "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)",
+             "accel_train/launch/distributed.py",
+             "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))",
              "pass",
              ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
     Mutation("scheduler stepped twice per optimizer step",
@@ -80,8 +81,7 @@ MUTATIONS = [
              "if False:",
              ("tests/test_distributed.py::test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alone",)),
     Mutation("train line not averaged over processes (process 0's loss only)",
-             "accel_train/training/meter.py", 'self.accelerator.reduce(self.sums / self.counted, reduction="mean")',
-             "(self.sums / self.counted)",
+             "accel_train/training/meter.py", "every[:, :-1].mean(0)", "every[0, :-1]",
              ("tests/test_checkpoint.py::test_a_train_line_averages_the_loss_over_its_steps_and_over_the_processes",)),
     Mutation("a non-finite step still updates the weights (on_nonfinite=skip)",
              "accel_train/training/guard.py", "self._apply(optimizer, bad)",
@@ -190,12 +190,43 @@ MUTATIONS = [
              "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
              ("tests/test_elastic.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
               "finishes[killed]",)),
+    # watchdog.py, Watchdog._watch: the bound that makes every process dump its stacks and the main one name the
+    # stopped process; without it the others wait in their collective until train.collective_timeout_s.
+    Mutation("a stuck process is never named (the watchdog never fires)",
+             "accel_train/run/watchdog.py", "            if idle > self.bound:", "            if False:",
+             ("tests/test_stuck.py::test_a_blocked_worker_is_named_with_its_host_step_and_function_and_the_restarted_"
+              "run_resumes",
+              "tests/test_stuck.py::test_a_single_process_that_stops_names_itself_and_ends_with_exit_6")),
     # settings.py, add_arguments: accelerate launch takes one number of machines; a range asks for torchrun.
     Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
              "accel_train/launch/settings.py", 'parser.add_argument("--num_machines", type=machine_count)',
              'parser.add_argument("--num_machines", type=int)',
              ("tests/test_multi_machine_start.py::test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_"
               "the_elastic_torchrun_command",)),
+    # meter.py, timed: the wait for each batch is what data_wait reports.
+    Mutation("the wait for a batch not counted (data_wait always 0, no warning for a slow input)",
+             "accel_train/training/meter.py", "self.waited += time.perf_counter() - asked", "pass",
+             ("tests/test_step_boundaries.py::-k data_wait or waits_for_data",)),
+    # layout.py, read_jsonl: only a last line cut short is skipped; a damaged one before others is named.
+    Mutation("a damaged metrics.jsonl line in the middle skipped silently",
+             "accel_train/run/layout.py", "if any(later.strip() for later in texts[number:]):", "if False:",
+             ("tests/test_watching.py::-k damaged",)),
+    # observers.py, leaving_room_for_an_echo: the terminal's "^C" echo must fit beside the bar.
+    Mutation("a bar as wide as the terminal (Ctrl-C's echo wraps and leaves a stale bar)",
+             "accel_train/run/observers.py", "return (max(1, columns - 2) if columns else columns), rows",
+             "return columns, rows", ("tests/test_watching.py::-k ctrl_c",)),
+    # loop.py: the observers close however training ends, so a stop line starts a line of its own.
+    Mutation("the bar left open when a signal stops the run (the stop line starts at the bar's end)",
+             "accel_train/training/loop.py", "as signals, observers, \\\n", "as signals, \\\n",
+             ("tests/test_watching.py::-k ctrl_c",)),
+    # distributed.py, processes_where: with micro_batch_size=auto, whether any process ran out of memory in a step,
+    # agreed over the CPU group. Without it the process that ran out halves its micro-batch alone: the others never
+    # learn of it, so no warning, no record, and the checkpoint keeps the micro-batch that ran out.
+    Mutation("processes do not agree that one ran out of memory (micro_batch_size=auto: it halves alone)",
+             "accel_train/launch/distributed.py",
+             "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(timeout_s))", "pass",
+             ("tests/test_out_of_memory.py::test_one_process_running_out_makes_every_process_redo_the_step_with_half_"
+              "the_micro_batch",)),
 ]
 
 

@@ -1,6 +1,9 @@
 """User code for the import-path tests, good and deliberately broken (test fixtures, not examples)."""
 
+import os
 import random
+import threading
+import time
 
 import numpy as np
 import torch
@@ -51,6 +54,35 @@ class DrawingPoints(Dataset):
 
 def drawing_points(train: bool, size: int = 24) -> DrawingPoints:
     return DrawingPoints(size if train else 8)
+
+
+class BlockingPoints(Dataset):
+    """points(), except that the training set blocks forever in __getitem__ on purpose: at the call `block` names
+    for this process, "PROCESS@CALL" (its CALL-th sample; evaluation does not count), one per start of the run,
+    comma-separated (start N: the launcher's restart N; no block past the last). As it blocks, it appends
+    "RESTART TIME" to the file `note`. A stuck process, for tests/test_stuck.py."""
+
+    def __init__(self, train: bool, size: int, block: str, note: str) -> None:
+        self.samples, self.train, self.note, self.calls = points(train, size), train, note, 0
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        plans = [plan.split("@") for plan in block.split(",") if plan]
+        process, call = plans[self.restart] if self.restart < len(plans) else (None, None)
+        self.block_at = int(call) if process is not None and int(process) == int(os.environ.get("RANK", 0)) else None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        self.calls += self.train
+        if self.calls == self.block_at:
+            with open(self.note, "a") as note:
+                note.write(f"{self.restart} {time.time()}\n")
+            threading.Event().wait()  # forever: a deadlock, a read that never returns
+        return self.samples[index]
+
+
+def blocking_points(train: bool, size: int = 30, block: str = "", note: str = "") -> BlockingPoints:
+    return BlockingPoints(train, size, block, note)
 
 
 def no_train_argument(size: int = 30) -> TensorDataset:

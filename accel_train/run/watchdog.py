@@ -1,0 +1,270 @@
+"""A stuck process is named: when no micro-batch has passed for train.stuck_after_s, every live process writes its
+stacks into output_dir/stuck/, the main process says in one line which processes stopped, where, at which step and on
+which host, and every process ends itself with exit code 6 (errors.Stuck).
+
+The loop marks progress (`mark`: a phase and a monotonic time, no lock) at every micro-batch of training and
+evaluation; checkpoint saves and exports are not timed (`paused`: long for a large model, and every process is in
+them), nor is the first optimizer step of each start (compilation, DataLoader workers starting). A daemon thread looks
+about once a second. It runs while the main thread is blocked in C (a collective, a lock, a read, a sleep), since
+Python lets go of the GIL there, and `faulthandler` dumps every thread's stack from it.
+
+No collective and no message: when one process stops, the others block in their next collective within a micro-batch,
+so each one's own clock fires within a micro-batch of the stopped one's. Each writes its stacks and a record (where
+its main thread is: a phase, a step, the innermost frame outside the standard library, and whether that is inside a
+collective) into the run folder, which the machines share for checkpoints anyway. The main process reads the records,
+names the processes that are not waiting in a collective as the stopped ones, and those without a record as not
+answering (dead, frozen by SIGSTOP, or a C call that never lets go of the GIL), writes its line to report.json and
+exits; the others exit once that file is there. All of it before train.collective_timeout_s, after which torch ends
+the waiting processes with its own error.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import sysconfig
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from accel_train.console import say
+from accel_train.errors import Stuck
+from accel_train.launch.settings import host_name
+from accel_train.run.layout import STUCK_RECORD_FILE, STUCK_REPORT_FILE, STUCK_STACKS_FILE
+
+TRAINING, EVALUATION = "training", "evaluation"
+ANSWER_S = 2.0  # beyond the longest stretch between marks seen: how long the main process waits for the others' records
+POLL_S = 0.05
+# A main thread in one of these waits for the other processes: in a collective, or in backward, where DDP (and FSDP)
+# wait for the gradient all-reduce at the end.
+WAITING_IN = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}",
+              f"torch{os.sep}autograd{os.sep}")
+STANDARD_LIBRARY = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+INSTALLED = tuple(f"{os.sep}{folder}{os.sep}" for folder in ("site-packages", "dist-packages"))
+
+
+def stuck_after_s(train) -> float:
+    """train.stuck_after_s, or half of train.collective_timeout_s when it is unset; 0: off."""
+    return train.collective_timeout_s / 2 if train.stuck_after_s is None else train.stuck_after_s
+
+
+def end_process(code: int) -> None:
+    """Exit now, from any thread: the main thread is blocked and would never run Python's clean-up."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Watchdog:
+    """`with Watchdog(...) as watchdog:` around training, on every process; `watchdog.mark()` at each micro-batch."""
+
+    def __init__(self, accelerator, train, progress, folder: Path, signals) -> None:
+        self.accelerator, self.progress, self.folder, self.signals = accelerator, progress, Path(folder), signals
+        self.bound = stuck_after_s(train)
+        # The main process waits for the others' records at most this long: its report, and the others' exits,
+        # come before the collective timeout ends the processes that wait.
+        self.answer_limit = (train.collective_timeout_s - self.bound) / 2
+        self.phase, self.last = TRAINING, None  # the last mark: its phase and monotonic time (None: not timed)
+        self.first_step = progress.step  # each start's first optimizer step is not timed
+        self.longest = 0.0  # the longest stretch between marks seen so far
+        self.hosts, self.attempt = [], ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def mark(self, phase: str = TRAINING) -> None:
+        """A micro-batch arrived: progress. Two stores, called at every micro-batch."""
+        self.phase, self.last = phase, time.monotonic()
+
+    def mark_evaluation(self) -> None:
+        self.mark(EVALUATION)
+
+    @contextmanager
+    def paused(self):
+        """Not timed: a checkpoint save or an export, which every process is in, and which take long for a large
+        model. A hang in one is left to train.collective_timeout_s."""
+        self.last = None
+        try:
+            yield
+        finally:
+            self.last = time.monotonic()
+
+    def __enter__(self) -> Watchdog:
+        if self.bound:
+            from accelerate.utils import gather_object
+
+            # Every process's host (a process that never answers is named with its host) and an attempt of process
+            # 0's, so that records and reports of an earlier start in the same folder are not taken for this one's.
+            here = host_name()
+            gathered = gather_object([(here, f"{here}-{os.getpid()}-{time.time()}")])
+            self.hosts, self.attempt = [host for host, _ in gathered], gathered[0][1]
+            self._thread = threading.Thread(target=self._watch, name="accel-train watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # Ended here, not left to the interpreter's exit: a daemon thread still running when Python finalizes is
+        # ended by pthread_exit, which aborted the process (SIGABRT, "terminate called without an active exception")
+        # after a signal's stop on a loaded machine.
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        tick = min(1.0, self.bound / 10)
+        while not self._stop.wait(tick):
+            last = self.last
+            if last is None or self.progress.step == self.first_step:
+                continue
+            idle = time.monotonic() - last
+            if idle > self.bound:
+                self._report()
+                return
+            self.longest = max(self.longest, idle)
+
+    def _report(self) -> None:
+        self.signals.quiet = True  # the launcher's SIGTERM, once another process has ended, changes nothing now
+        process = self.accelerator.process_index
+        record = self._record(process)
+        if process == 0:
+            records = self._collect(record)
+            line = describe(records, self.hosts, self.bound, self.folder)
+            say(f"accel-train: {Stuck(line)}", error=True, nolock=True)
+            self._write(self.folder / STUCK_REPORT_FILE, {"attempt": self.attempt, "line": line})
+        elif not self._reported():
+            say(f"accel-train: process {process}: {where(record)}; no progress for more than {self.bound:g} s "
+                f"(train.stuck_after_s) and the main process did not report; stacks in "
+                f"{self.folder / record['stacks']}", error=True, nolock=True)
+        end_process(Stuck.exit_code)
+
+    def _record(self, process: int) -> dict:
+        """Write this process's stacks, then its record; the record, which says where its main thread is."""
+        frames = main_thread_frames()
+        function, file, line = innermost_of_ours(frames)
+        record = {"attempt": self.attempt, "process": process, "host": self.hosts[process], "phase": self.phase,
+                  "step": self.progress.step, "function": function, "file": file, "line": line,
+                  "waiting": any(marker in frame.f_code.co_filename for frame in frames for marker in WAITING_IN),
+                  "stacks": STUCK_STACKS_FILE.format(process=process)}
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / record["stacks"], "w") as stacks:
+                stacks.write(f"process {process} on {record['host']}: {where(record)}, no progress for more than "
+                             f"{self.bound:g} s (train.stuck_after_s); every thread, most recent call first:\n\n")
+                stacks.flush()
+                faulthandler.dump_traceback(stacks, all_threads=True)
+        except OSError as err:
+            record["stacks"] = f"not written: {err}"
+        self._write(self.folder / STUCK_RECORD_FILE.format(process=process), record)
+        return record
+
+    def _write(self, path: Path, content: dict) -> None:
+        """Whole or not at all: a reader on another machine never sees half of it."""
+        partial = path.with_name(f".{path.name}.partial")
+        try:
+            partial.write_text(json.dumps(content))
+            os.replace(partial, path)
+        except OSError:
+            pass  # the line says what it can; a folder that cannot be written is no reason not to end
+
+    def _read(self, path: Path) -> dict | None:
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return content if content.get("attempt") == self.attempt else None
+
+    def _collect(self, own: dict) -> dict[int, dict]:
+        """The records of this attempt, every process's or as many as come in time."""
+        records = {own["process"]: own}
+        deadline = time.monotonic() + min(ANSWER_S + self.longest, self.answer_limit)
+        while len(records) < len(self.hosts):
+            for process in set(range(len(self.hosts))) - set(records):
+                if (record := self._read(self.folder / STUCK_RECORD_FILE.format(process=process))) is not None:
+                    records[process] = record
+            if len(records) == len(self.hosts) or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        return records
+
+    def _reported(self) -> bool:
+        """Wait for the main process's report (it waits for this process's record, then writes it)."""
+        deadline = time.monotonic() + 2 * min(ANSWER_S + self.longest, self.answer_limit)
+        while time.monotonic() < deadline:
+            if self._read(self.folder / STUCK_REPORT_FILE) is not None:
+                return True
+            time.sleep(POLL_S)
+        return False
+
+
+def main_thread_frames() -> list:
+    """The main thread's frames, innermost first (read from this thread: sys._current_frames)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def innermost_of_ours(frames: list) -> tuple[str, str, int]:
+    """(function, file, line) of the innermost frame outside Python's standard library: the call that blocks, rather
+    than threading's wait or the lock inside it."""
+    if not frames:
+        return "?", "?", 0
+    ours = [frame for frame in frames if not in_standard_library(frame.f_code.co_filename)]
+    frame = (ours or frames)[0]
+    return frame.f_code.co_name, shown(frame.f_code.co_filename), frame.f_lineno
+
+
+def in_standard_library(path: str) -> bool:
+    """Python's own modules (threading, queue, selectors, frozen ones), not those installed beside them (a venv's
+    site-packages is under its platstdlib)."""
+    return path.startswith("<") or (path.startswith(STANDARD_LIBRARY) and not any(part in path for part in INSTALLED))
+
+
+def shown(path: str) -> str:
+    """A file as a line names it: from the package's folder for an installed one, relative to here when below it."""
+    for folder in INSTALLED:
+        if folder in path:
+            return path.rsplit(folder, 1)[1]
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
+def where(record: dict) -> str:
+    """`training step 8, in __getitem__ (my_data.py:42)`: the step it was in (the one after those it finished)."""
+    phase = (f"training step {record['step'] + 1}" if record["phase"] == TRAINING
+             else f"the evaluation after step {record['step']}")
+    return f"{phase}, in {record['function']} ({record['file']}:{record['line']})"
+
+
+def processes(numbers: list[int]) -> str:
+    listed = [str(number) for number in numbers]
+    return f"process {listed[0]}" if len(listed) == 1 else f"processes {', '.join(listed[:-1])} and {listed[-1]}"
+
+
+def describe(records: dict[int, dict], hosts: list[str], bound: float, folder: Path) -> str:
+    """The one line: who stopped (not in a collective), where and on which host; who did not answer; who waited."""
+    several = len(hosts) > 1
+    waiting = [p for p in sorted(records) if several and records[p]["waiting"]]
+    stopped = [p for p in sorted(records) if p not in waiting]
+    silent = [p for p in range(len(hosts)) if p not in records]
+    parts = [f"process {p} on {hosts[p]} stopped in {where(records[p])}" for p in stopped]
+    if silent:
+        on = sorted({hosts[p] for p in silent})
+        parts.append(f"{processes(silent)} on {', '.join(on)} did not answer (dead, frozen, or in a C call that never "
+                     "lets go of Python's lock)")
+    if waiting and (stopped or silent):
+        them = "them" if len(stopped) + len(silent) > 1 else "it"
+        parts.append(f"{processes(waiting)} waited for {them} in a collective")
+    elif waiting:
+        parts.append("every process waits in a collective, none stopped elsewhere (do they wait at different ones?): "
+                     + ", ".join(f"process {p} in {where(records[p])}" for p in waiting))
+    stacks = [records[p]["stacks"] for p in sorted(records) if not records[p]["stacks"].startswith("not written")]
+    listed = ", ".join(stacks) if len(stacks) <= 4 else f"{len(stacks)} files, process-P.txt"
+    return (f"{'; '.join(parts)}; no progress for more than {bound:g} s (train.stuck_after_s); stacks in {folder}"
+            f"{os.sep} ({listed or 'none written'}); if that was slow rather than stuck, raise train.stuck_after_s")

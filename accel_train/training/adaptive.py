@@ -1,0 +1,226 @@
+"""micro_batch_size=auto while training: a step or an evaluation batch that runs out of device memory on any process
+is redone by every process with half the micro-batch, from the same samples, for the same global batch.
+
+Why the processes agree before any collective of such a step: under DDP the gradient all-reduce runs inside the
+backward pass of a step's last micro-batch, and the non-finite guard reduces a flag right after. A process that ran
+out of memory in a forward or backward pass never enters them, and the others would wait for it until
+train.collective_timeout_s. So every micro-batch of an adaptive step runs forward and backward under no_sync (no
+all-reduce), catching the out-of-memory error; then the processes agree over the CPU group whether any ran out (one
+all-reduce of a flag a process, no device read: launch/distributed.py); then either all average their gradients once
+and the loop clips, guards and steps as usual, or all drop their gradients, free memory, halve the micro-batch and
+run the step again. Single process: no agreement, the same catch and redo. Under FSDP (sharded gradients, gathers
+inside forward) nothing is redone: running out stops the run in one line, as with a fixed micro-batch.
+
+The loader keeps the micro-batches the search before training chose (accumulation.py), so the data order, mixing and
+resume positions stay those of the plan; a step keeps its loaded micro-batches and splits each into equal chunks
+(halving: the largest divisor of the loaded micro-batch at most half the last chunk), each chunk's loss weighted by
+its share of the micro-batch, so the gradient is the mean over the step's samples as before. The chunk size is
+recorded (config, checkpoint, starts.jsonl) and a resume continues with it. Evaluation does the same per eval batch,
+agreeing before gather_for_metrics, so the metrics do not change.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import concatenate, find_batch_size, release_memory, slice_tensors
+
+from accel_train.config import TrainConfig
+from accel_train.console import warn
+from accel_train.errors import OutOfDeviceMemory, UserError
+from accel_train.launch.distributed import average_gradients, divisors, processes_where, shards_gradients
+from accel_train.run.observers import Observer
+from accel_train.run.progress import Progress
+from accel_train.training.accumulation import StepTerms
+
+SMALLER_MODEL = "use a smaller model or image size, mixed precision, or FSDP"
+
+
+def ran_out_of_memory(err: BaseException) -> bool:
+    """torch's out-of-memory error (torch.cuda.OutOfMemoryError is the same class), or what Accelerate's batch-size
+    search takes for running out (the CPU allocator's, MPS's)."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err)
+
+
+def adapts(accelerator: Accelerator, auto: bool) -> bool:
+    """Whether running out of memory halves the micro-batch: micro_batch_size=auto, and no FSDP."""
+    return auto and not shards_gradients(accelerator)
+
+
+def who(processes: list[int], accelerator: Accelerator) -> str:
+    if accelerator.num_processes == 1:
+        return "the process"
+    return f"process {processes[0]}" if len(processes) == 1 else f"processes {', '.join(map(str, processes))}"
+
+
+class AdaptiveMicroBatch:
+    """The optimizer steps of micro_batch_size=auto: the loop hands it a step's micro-batches (`keep`), then `step`
+    runs them, redoing the step with half the micro-batch whenever any process ran out of memory. Its state (the
+    chunk size) survives a resume."""
+
+    def __init__(self, accelerator: Accelerator, cfg: TrainConfig, task) -> None:
+        self.accelerator, self.cfg, self.task = accelerator, cfg, task
+        self.steps = accelerator.gradient_accumulation_steps  # loaded micro-batches a step
+        self.per_process = cfg.batch_size // accelerator.num_processes
+        self.loaded = self.per_process // self.steps  # samples a process in each of them
+        self.micro = self.loaded  # samples a forward pass: the loaded micro-batch or a divisor of it
+        self.kept: list = []
+
+    def keep(self, batch) -> bool:
+        """Keep one of the step's micro-batches; True once the step's last is kept."""
+        self.kept.append(batch)
+        return len(self.kept) == self.steps
+
+    def step(self, model: torch.nn.Module, progress: Progress, observers: Observer) -> dict[str, torch.Tensor]:
+        """Forward and backward over the kept micro-batches on every process, then the agreement; the gradients
+        averaged over the processes once none ran out. The step's terms, as StepTerms gives them. Observers are told
+        of each halving."""
+        accelerator = self.accelerator
+        counted = accelerator.step  # Accelerate's count of micro-steps, which a redone step counts again
+        while True:
+            accelerator.step = counted
+            terms = self._forward_backward(model)  # None: this process ran out of memory
+            ran_out = processes_where(terms is None, accelerator, self.cfg.collective_timeout_s)
+            if not ran_out:
+                break
+            model.zero_grad(set_to_none=True)
+            terms = None
+            release_memory()  # what the failed passes left: gc, then the device's cache
+            observers.on_micro_batch_change(progress, self._halve(ran_out, progress.step + 1))
+        average_gradients(model, accelerator)
+        self.kept = []
+        return terms
+
+    def _forward_backward(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        accelerator, micro = self.accelerator, self.micro
+        step_terms = StepTerms(self.steps)
+        try:
+            for batch in self.kept:
+                size = find_batch_size(batch)
+                # accumulate: Accelerate's bookkeeping (backward divides by the steps; the optimizer and scheduler
+                # step after the last); no_sync: not even the last micro-batch all-reduces in backward.
+                with accelerator.accumulate(model), accelerator.no_sync(model):
+                    if micro >= size:
+                        terms = self.task.training_step(model, batch)
+                        accelerator.backward(terms["loss"])
+                    else:
+                        terms = {}
+                        for start in range(0, size, micro):
+                            share = min(micro, size - start) / size  # of the micro-batch's mean
+                            chunk = self.task.training_step(model, slice_tensors(batch, slice(start, start + micro)))
+                            accelerator.backward(chunk["loss"] * share)
+                            for name, value in chunk.items():
+                                terms[name] = terms.get(name, 0) + value.detach() * share
+                step_terms.add(terms)
+        except Exception as err:
+            if not ran_out_of_memory(err):
+                raise
+            return None
+        return step_terms.mean()
+
+    def _halve(self, ran_out: list[int], step: int) -> dict:
+        accelerator = self.accelerator
+        smaller = max((size for size in divisors(self.loaded) if size <= self.micro // 2), default=0)
+        what = (f"{who(ran_out, accelerator)} ran out of {accelerator.device.type} memory at step {step} with "
+                f"{self.micro} sample(s) per micro-batch")
+        if not smaller:
+            raise UserError(f"{what}, the smallest (train.micro_batch_size=auto); {SMALLER_MODEL}")
+        warn(accelerator, f"{what}; continuing with {smaller} (train.accumulation_steps "
+                          f"{self.per_process // self.micro} -> {self.per_process // smaller}, the same global batch)")
+        change = {"step": step, "from": self.micro, "to": smaller, "processes": ran_out}
+        self._take(smaller)
+        return change
+
+    def _take(self, micro: int) -> None:
+        """A chunk size from now on: the config (and so every checkpoint's) records it."""
+        self.micro = micro
+        self.cfg.micro_batch_size, self.cfg.accumulation_steps = micro, self.per_process // micro
+
+    def state_dict(self) -> dict:
+        return {"micro_batch_size": self.micro}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's micro-batch, or the largest that divides this run's below it (another world size): a run
+        that ran out of memory with more does not try more again."""
+        micro = max(size for size in divisors(self.loaded) if size <= max(1, state["micro_batch_size"]))
+        if micro < self.micro:
+            self._take(micro)
+            self.accelerator.print(f"train.micro_batch_size=auto: {micro} samples per process per forward pass (in "
+                                   f"chunks of the {self.loaded} loaded), as the checkpoint ran after running out of "
+                                   "memory with more")
+
+
+class AdaptiveEval:
+    """Evaluation under micro_batch_size=auto: an eval batch that runs out of memory on any process is evaluated again
+    by every process in chunks of half as many samples, and so are the batches after it. The processes agree before
+    the batch's gather_for_metrics, and the per-sample outputs are the same, so the metrics are."""
+
+    def __init__(self, accelerator: Accelerator, timeout_s: float) -> None:
+        self.accelerator, self.timeout_s = accelerator, timeout_s
+        self.chunk: int | None = None  # samples a forward pass; None: the whole batch
+
+    def eval_step(self, task, model: torch.nn.Module, batch) -> dict[str, torch.Tensor]:
+        while True:
+            outputs = self._outputs(task, model, batch)  # None: this process ran out of memory
+            ran_out = processes_where(outputs is None, self.accelerator, self.timeout_s)
+            if not ran_out:
+                return outputs
+            release_memory()
+            self._halve(ran_out, find_batch_size(batch))
+
+    def _outputs(self, task, model: torch.nn.Module, batch) -> dict[str, torch.Tensor] | None:
+        size = find_batch_size(batch)
+        try:
+            if self.chunk is None or self.chunk >= size:
+                return task.eval_step(model, batch)
+            return concatenate([task.eval_step(model, slice_tensors(batch, slice(start, start + self.chunk)))
+                                for start in range(0, size, self.chunk)])
+        except Exception as err:
+            if not ran_out_of_memory(err):
+                raise
+            return None
+
+    def _halve(self, ran_out: list[int], size: int) -> None:
+        accelerator, current = self.accelerator, min(self.chunk or size, size)
+        what = (f"{who(ran_out, accelerator)} ran out of {accelerator.device.type} memory evaluating {current} "
+                "sample(s) per process at once")
+        if current // 2 < 1:
+            raise UserError(f"{what}, the smallest (train.micro_batch_size=auto); {SMALLER_MODEL}")
+        self.chunk = current // 2
+        warn(accelerator, f"{what}; evaluating {self.chunk} at a time from now on (the same metrics)")
+
+
+@contextmanager
+def out_of_memory_stops(accelerator: Accelerator, where: str, cfg: TrainConfig | None = None):
+    """Running out of device memory inside becomes one line (OutOfDeviceMemory, exit 2) saying what to change.
+    `where`: "micro-batch" (fixed by the config, or FSDP's), "optimizer step" (which no micro-batch helps), or
+    "evaluation" (`accel-train eval`, and training but with micro_batch_size=auto under DDP)."""
+    try:
+        yield
+    except Exception as err:
+        if not ran_out_of_memory(err):
+            raise
+        raise OutOfDeviceMemory(f"ran out of {accelerator.device.type} memory {_remedy(accelerator, where, cfg)}") \
+            from None
+
+
+def _remedy(accelerator: Accelerator, where: str, cfg: TrainConfig | None) -> str:
+    fsdp = shards_gradients(accelerator)
+    if where == "optimizer step":
+        return ("in the optimizer step, which a smaller micro-batch does not help (the optimizer's state and the "
+                "gradients do not depend on it); use a smaller model, an optimizer with less state "
+                "(train.optimizer=sgd), mixed precision, or FSDP")
+    if where == "evaluation":
+        return "evaluating; set a smaller train.eval_batch_size (the metrics do not depend on it)"
+    micro = cfg.batch_size // accelerator.num_processes // accelerator.gradient_accumulation_steps
+    if fsdp:
+        return (f"with {micro} sample(s) per micro-batch; under FSDP the micro-batch is not halved on the way (its "
+                "gradients are sharded: train.micro_batch_size=auto recovers under DDP only), so set a smaller "
+                "train.micro_batch_size")
+    return (f"with {micro} sample(s) per micro-batch, fixed by train.micro_batch_size or train.accumulation_steps; set "
+            "train.micro_batch_size=auto to go on with half the micro-batch whenever a step runs out (the same global "
+            "batch), or a smaller train.micro_batch_size")
