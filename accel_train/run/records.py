@@ -67,11 +67,16 @@ def summarize(folder: Path, name: str | None = None) -> dict:
     }
 
 
+def named_processes(processes: list[int], world_size: int | None) -> str:
+    """`the process` at world size 1, else `process 1` or `processes 1, 2`."""
+    if world_size == 1:
+        return "the process"
+    return f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}"
+
+
 def ran_out(processes: list[int], world_size: int | None) -> str:
     """Who ran out of memory, as the summary says it."""
-    if world_size == 1:
-        return "ran out of memory"
-    return f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))} ran out of memory"
+    return "ran out of memory" if world_size == 1 else f"{named_processes(processes, world_size)} ran out of memory"
 
 
 def across_world_sizes(world_size: int, checkpoint_world_size: int) -> str:

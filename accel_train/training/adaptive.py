@@ -33,6 +33,7 @@ from accel_train.errors import OutOfDeviceMemory, UserError
 from accel_train.launch.distributed import average_gradients, divisors, processes_where, shards_gradients
 from accel_train.run.observers import Observer
 from accel_train.run.progress import Progress
+from accel_train.run.records import named_processes
 from accel_train.training.accumulation import StepTerms
 
 SMALLER_MODEL = "use a smaller model or image size, mixed precision, or FSDP"
@@ -49,12 +50,6 @@ def ran_out_of_memory(err: BaseException) -> bool:
 def adapts(accelerator: Accelerator, auto: bool) -> bool:
     """Whether running out of memory halves the micro-batch: micro_batch_size=auto, and no FSDP."""
     return auto and not shards_gradients(accelerator)
-
-
-def who(processes: list[int], accelerator: Accelerator) -> str:
-    if accelerator.num_processes == 1:
-        return "the process"
-    return f"process {processes[0]}" if len(processes) == 1 else f"processes {', '.join(map(str, processes))}"
 
 
 class AdaptiveMicroBatch:
@@ -125,8 +120,9 @@ class AdaptiveMicroBatch:
     def _halve(self, ran_out: list[int], step: int) -> dict:
         accelerator = self.accelerator
         smaller = max((size for size in divisors(self.loaded) if size <= self.micro // 2), default=0)
-        what = (f"{who(ran_out, accelerator)} ran out of {accelerator.device.type} memory at step {step} with "
-                f"{self.micro} sample(s) per micro-batch")
+        who = named_processes(ran_out, accelerator.num_processes)
+        what = (f"{who} ran out of {accelerator.device.type} memory at step {step} with {self.micro} sample(s) per "
+                "micro-batch")
         if not smaller:
             raise UserError(f"{what}, the smallest (train.micro_batch_size=auto); {SMALLER_MODEL}")
         warn(accelerator, f"{what}; continuing with {smaller} (train.accumulation_steps "
@@ -186,8 +182,8 @@ class AdaptiveEval:
 
     def _halve(self, ran_out: list[int], size: int) -> None:
         accelerator, current = self.accelerator, min(self.chunk or size, size)
-        what = (f"{who(ran_out, accelerator)} ran out of {accelerator.device.type} memory evaluating {current} "
-                "sample(s) per process at once")
+        who = named_processes(ran_out, accelerator.num_processes)
+        what = f"{who} ran out of {accelerator.device.type} memory evaluating {current} sample(s) per process at once"
         if current // 2 < 1:
             raise UserError(f"{what}, the smallest (train.micro_batch_size=auto); {SMALLER_MODEL}")
         self.chunk = current // 2
