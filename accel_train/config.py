@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -96,7 +97,14 @@ class TrainConfig:
         "accumulation_steps); auto: the largest that fits in device memory, found before training and halved "
         "whenever a step runs out of memory)", default=None)
     eval_batch_size: int = doc("global batch size for evaluation (does not change results)", default=1000)
-    lr: float = doc("peak learning rate", default=1e-3)
+    lr: float = doc("peak learning rate (computed from lr_base when that is set)", default=1e-3)
+    lr_base: float | None = doc("peak learning rate for a global batch of lr_base_batch samples: train.lr is computed "
+                                "from it and train.batch_size by lr_scale (timm's --lr-base; unset = train.lr as "
+                                "given)", default=None)
+    lr_base_batch: int = doc("the global batch size lr_base is given for", default=256)
+    lr_scale: Literal["linear", "sqrt"] = doc("how lr_base scales with the global batch: linear, lr = lr_base x "
+                                              "batch_size / lr_base_batch; sqrt, lr = lr_base x sqrt(batch_size / "
+                                              "lr_base_batch)", default="linear")
     optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
     weight_decay: float = doc("decoupled weight decay (adamw) or L2 penalty (adam, sgd)", default=0.01)
     decay_norm_and_bias: bool = doc("apply weight decay to biases and normalisation weights too (false: timm's "
@@ -198,7 +206,8 @@ class Config:
 
 _POSITIVE = {
     "data.train_subset", "data.eval_subset", "data.image_size", "train.epochs", "train.max_steps",
-    "train.batch_size", "train.eval_batch_size", "train.lr", "train.lr_step_epochs", "train.log_every_steps",
+    "train.batch_size", "train.eval_batch_size", "train.lr", "train.lr_base", "train.lr_base_batch",
+    "train.lr_step_epochs", "train.log_every_steps",
     "model.latent_size", "model.hidden_size",
     "train.collective_timeout_s", "checkpoint.every_steps", "checkpoint.keep_last", "data.num_classes",
     "predict.top_k", "predict.batch_size", "train.accumulation_steps", "train.micro_batch_size",
@@ -226,13 +235,31 @@ def load_config(recipe: str | Config, overrides: list[str] = ()) -> Config:
     else:
         config = _build(Config, _read_recipe(recipe), prefix="")
         config.recipe = recipe
+    given = set()
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise UserError(f"override '{override}' is not of the form key=value (e.g. train.lr=0.01)")
         _set(config, key.strip(), raw)
+        given.add(key.strip())
     _check_ranges(config)
+    _resolve_lr(config.train, lr_given="train.lr" in given)
     return config
+
+
+def _resolve_lr(train: TrainConfig, lr_given: bool) -> None:
+    """train.lr from train.lr_base and the global batch, as timm's --lr-base: a recipe's own train.lr (a run's
+    config.yaml records the one computed) gives way, while train.lr given as an override contradicts lr_base."""
+    if train.lr_base is None:
+        return
+    ratio = train.batch_size / train.lr_base_batch
+    formula = ("train.lr_base x train.batch_size / train.lr_base_batch" if train.lr_scale == "linear" else
+               "train.lr_base x sqrt(train.batch_size / train.lr_base_batch)")
+    if lr_given:
+        raise UserError(f"train.lr={spelled(train.lr)} and train.lr_base={spelled(train.lr_base)} both given: "
+                        f"train.lr_base computes train.lr from the global batch ({formula}); give one of them "
+                        "(train.lr_base=null to set train.lr directly)")
+    train.lr = train.lr_base * (ratio if train.lr_scale == "linear" else math.sqrt(ratio))
 
 
 def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:

@@ -89,6 +89,112 @@ def test_recipe_file_with_unknown_key_names_it(tmp_path):
         load_config(str(recipe))
 
 
+# train.lr_base: the learning rate for a global batch of train.lr_base_batch samples (timm's --lr-base).
+
+
+def _run_folder_with_lr_base(tmp_path, *overrides):
+    """A run folder as training leaves it (its config.yaml, written by save_config), to use as a recipe."""
+    from accel_train.config import save_config
+
+    config = load_config("fashion_mnist_cnn", ["train.lr_base=0.004", "train.batch_size=512", *overrides])
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(config, run / "config.yaml", {"world_size": 2})
+    return run
+
+
+@pytest.mark.parametrize("scale, factor_512, factor_64", [("linear", 2.0, 0.25), ("sqrt", 2.0 ** 0.5, 0.5)])
+def test_lr_base_gives_train_lr_for_the_global_batch(scale, factor_512, factor_64):
+    from accel_train.config import Config, TrainConfig
+
+    for batch, factor in ((512, factor_512), (64, factor_64)):
+        config = load_config("fashion_mnist_cnn", ["train.lr_base=0.004", f"train.lr_scale={scale}",
+                                                   f"train.batch_size={batch}"])
+        assert config.train.lr == pytest.approx(0.004 * factor, rel=1e-12), (scale, batch)
+        # at lr_base_batch itself, lr is lr_base; a Config built in Python goes the same way
+        assert load_config(config, ["train.lr_base_batch=" + str(batch)]).train.lr == pytest.approx(0.004)
+        built = Config(train=TrainConfig(lr_base=0.004, lr_scale=scale, batch_size=batch))
+        assert load_config(built).train.lr == pytest.approx(0.004 * factor, rel=1e-12)
+
+
+def test_config_yaml_records_lr_base_and_reloading_it_recomputes_lr_for_the_batch_given(tmp_path):
+    import yaml
+
+    run = _run_folder_with_lr_base(tmp_path)
+    recorded = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    assert recorded["lr"] == pytest.approx(0.008)  # the LR the run trained with
+    assert (recorded["lr_base"], recorded["lr_base_batch"], recorded["lr_scale"]) == (0.004, 256, "linear")
+    assert load_config(str(run)).train.lr == pytest.approx(0.008)  # the same run again: the same LR
+    # a sweep over the batch size from the run folder gets the LR of each batch, not the recorded one
+    assert load_config(str(run), ["train.batch_size=1024"]).train.lr == pytest.approx(0.016)
+    assert load_config(str(run), ["train.batch_size=128"]).train.lr == pytest.approx(0.002)
+
+
+def test_train_lr_without_lr_base_is_taken_as_given_at_any_batch_size():
+    recipe_lr = load_config("fashion_mnist_cnn").train.lr
+    assert load_config("fashion_mnist_cnn", ["train.batch_size=512"]).train.lr == recipe_lr
+    config = load_config("fashion_mnist_cnn", ["train.lr=0.05", "train.batch_size=512"])
+    assert (config.train.lr, config.train.lr_base) == (0.05, None)
+
+
+@pytest.mark.parametrize("source", ["override", "recipe"])
+def test_train_lr_given_with_lr_base_is_one_line_naming_both(source, tmp_path, capsys):
+    recipe = ["fashion_mnist_cnn", "train.lr_base=0.004"] if source == "override" else [str(
+        _run_folder_with_lr_base(tmp_path))]
+    with pytest.raises(SystemExit) as stop:
+        main(["keys", *recipe, "train.lr=0.1"])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert stop.value.code == 2 and not captured.out, captured
+    assert len(lines) == 1 and lines[0].startswith("accel-train: error: train.lr=0.1 and train.lr_base=0.004 "), lines
+    assert "train.lr_base=null" in lines[0]
+
+
+def test_lr_base_null_override_drops_the_recipes_lr_base(tmp_path):
+    run = _run_folder_with_lr_base(tmp_path)
+    config = load_config(str(run), ["train.lr_base=null", "train.lr=0.05"])
+    assert (config.train.lr, config.train.lr_base) == (0.05, None)
+    # without lr_base the recorded lr is a plain train.lr: it no longer follows the batch size
+    assert load_config(str(run), ["train.lr_base=null", "train.batch_size=1024"]).train.lr == pytest.approx(0.008)
+
+
+@pytest.mark.parametrize("override, names", [
+    ("train.lr_scale=cube", ["train.lr_scale", "'cube'", "linear", "sqrt"]),
+    ("train.lr_base=0", ["train.lr_base", "greater than 0"]),
+    ("train.lr_base=-0.1", ["train.lr_base", "greater than 0"]),
+    ("train.lr_base_batch=0", ["train.lr_base_batch", "greater than 0"]),
+])
+def test_lr_base_mistakes_exit_2_with_one_line_naming_the_key(override, names, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["keys", "fashion_mnist_cnn", "train.lr_base=0.004", override])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert stop.value.code == 2 and not captured.out, captured
+    assert len(lines) == 1 and lines[0].startswith("accel-train: error:"), lines
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+def test_a_resume_whose_lr_base_gives_another_lr_warns_as_a_changed_train_lr_does(capsys):
+    """The checkpoint's scheduler carries the LR on: a train.lr computed anew is named, like one changed by hand."""
+    from types import SimpleNamespace
+
+    from accel_train.run.checkpoint import _note_schedule_changes
+
+    def warning(saved: list[str], ours: list[str]) -> str:
+        meta = {"config": load_config("fashion_mnist_cnn", saved).to_dict()}
+        _note_schedule_changes("ckpt", meta, load_config("fashion_mnist_cnn", ours), SimpleNamespace(
+            is_main_process=True))
+        return capsys.readouterr().err
+
+    by_hand = warning(["train.lr=0.004"], ["train.lr=0.008"])
+    assert "ignoring train.lr 0.004 -> 0.008" in by_hand, by_hand
+    assert warning(["train.lr_base=0.004", "train.batch_size=256"],
+                   ["train.lr_base=0.008", "train.batch_size=256"]) == by_hand
+    assert warning(["train.lr_base=0.004"], ["train.lr_base=0.004"]) == ""
+
+
+
 def test_console_script_is_installed_and_answers_help():
     script = Path(sys.executable).parent / "accel-train"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True)
