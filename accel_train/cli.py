@@ -15,7 +15,10 @@ accel-train eval RUN [KEY=VALUE ...]                     evaluate a run's export
 accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate a run folder, checkpoint or model.safetensors
 accel-train predict RUN input=PATH [output=FILE] [predict.top_k=K ...]
                                                          top labels of image files (file, folder or glob) as CSV
-accel-train runs DIR [--diff A B] [--json]               table of the runs under DIR; config keys A and B differ in
+accel-train sweep RECIPE --trials N --metric M [--launch CMD] KEY=DIST(ARGS) ... [KEY=VALUE ...]
+                                                         hyperparameter search (Optuna): every trial a run folder
+accel-train runs DIR [--diff A B] [--json]               table of the runs under DIR (or of a sweep's trials); config
+                                                         keys A and B differ in
 accel-train plot RUN [RUN ...] [output=FILE]             loss, eval metrics and LR of runs, overlaid, as a PNG
 accel-train recipes                                      list shipped recipes
 accel-train keys [RECIPE]                                every config key with its meaning and value (a recipe's)
@@ -79,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("recipe", metavar="RUN", nargs="?", help="a training run's output_dir; or a recipe, "
                                  "with checkpoint=PATH")
         command.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
+    commands.add_parser("sweep", help="hyperparameter search with Optuna: every trial a normal, resumable run folder "
+                        "(accel-train sweep --help)")
     bench = commands.add_parser("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
     bench.add_argument("--quick", action="store_true", help="short windows, one round (CPU / CI friendly)")
     bench.add_argument("--processes", type=int, help="processes for the scaling table (default: GPUs, or 2 on CPU)")
@@ -116,6 +121,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sweep_parser() -> argparse.ArgumentParser:
+    """Its own parser: the search space and the options may come in any order (parse_intermixed_args), which
+    argparse's subcommands do not allow."""
+    sweep = argparse.ArgumentParser(
+        prog="accel-train sweep", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="accel-train sweep RECIPE --trials N --metric METRIC [--direction max|min] [--launch COMMAND] "
+              "KEY=DISTRIBUTION(ARGS) ... [KEY=VALUE ...] [output_dir=FOLDER]",
+        description="Search hyperparameters with Optuna (pip install 'accel-train[sweep]'): a seeded TPE sampler and "
+                    "a median pruner.\nEach trial is `accel-train train` in FOLDER/trial-NNNN under the launch "
+                    "command; a trial the pruner\nrejects gets SIGTERM, saves its checkpoint and exits 75. Run the "
+                    "same command again after a stop:\nthe running trial resumes from its checkpoint, then new ones "
+                    "are sampled until N are done.\nDistributions: uniform(LOW,HIGH), loguniform(LOW,HIGH), "
+                    "int(LOW,HIGH), logint(LOW,HIGH), choice(A,B,...).",
+        epilog="""examples:
+  accel-train sweep fashion_mnist_cnn --trials 20 --metric accuracy 'train.lr_base=loguniform(1e-4,1e-1)' \\
+      'train.batch_size=choice(64,128,256)' 'train.label_smoothing=uniform(0,0.2)' data.val_fraction=0.1 \\
+      output_dir=sweeps/fm      # train.lr_base: each trial's train.lr follows its batch size
+  accel-train sweep fashion_mnist_cnn --trials 20 --metric accuracy \\
+      --launch "accelerate launch --config_file $(accel-train profile multi_gpu)" \\
+      'train.lr_base=loguniform(1e-4,1e-2)' 'train.batch_size=choice(256,512,1024)' output_dir=sweeps/fm_gpus
+  accel-train runs sweeps/fm            # one row per trial, sorted by the metric
+  accel-train plot sweeps/fm            # the best trials' curves; parameters.png: the metric against each value
+  accel-train eval sweeps/fm/trial-0003 # a trial is a run folder""")
+    sweep.add_argument("recipe", metavar="RECIPE", help="a shipped recipe, a YAML file or a run's output_dir")
+    sweep.add_argument("overrides", nargs="*", default=[], metavar="KEY=DISTRIBUTION(ARGS) | KEY=VALUE",
+                       help="searched keys (e.g. 'train.lr=loguniform(1e-4,1e-1)', quoted for the shell) and fixed "
+                       "overrides; output_dir=FOLDER holds the sweep (default sweeps/RECIPE)")
+    sweep.add_argument("--trials", type=int, required=True, help="trials to finish (complete, pruned or failed)")
+    sweep.add_argument("--metric", required=True, help="the evaluation metric to optimize, e.g. accuracy or loss "
+                       "(on the validation split with data.val_fraction, else on the test split)")
+    sweep.add_argument("--direction", choices=("max", "min"), help="maximize or minimize it (default: the task's "
+                       "way for the metric: max for accuracy, min for loss)")
+    sweep.add_argument("--launch", metavar="COMMAND", help="what runs `-m accel_train train ...` for each trial, e.g. "
+                       "\"accelerate launch --num_processes 2\" or \"torchrun --nproc_per_node 8\" (default: one "
+                       "process, this Python)")
+    sweep.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed samples the same "
+                       "values (default 0)")
+    sweep.add_argument("--startup_trials", type=int, default=5, help="the first K trials are sampled at random "
+                       "(then TPE), and none is pruned until K are complete (default 5)")
+    sweep.add_argument("--pruner", choices=("median", "none"), default="median", help="median: stop a trial whose "
+                       "best evaluation so far is worse than the median of the complete trials at that evaluation")
+    return sweep
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -125,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
             return launch(argv[1:])
         if argv[:1] in (["--version"], ["-V"]):
             return _print_versions()
+        if argv[:1] == ["sweep"]:
+            return _sweep(_sweep_parser().parse_intermixed_args(argv[1:]))
         _run(_parser().parse_args(argv))
     except UserError as err:
         _report(err)
@@ -258,9 +309,17 @@ def _look(args: argparse.Namespace) -> None:
 
     from accel_train.run import records as runs
     from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
+    from accel_train.sweep import results as sweep_results
 
     if args.command == "plot":
         given, folders = _arguments(args.runs, {"output": None}, "plot")
+        if len(folders) == 1 and sweep_results.is_sweep(Path(folders[0])):
+            found = sweep_results.rows(Path(folders[0]))
+            if not found:
+                raise UserError(f"plot: the sweep in {folders[0]} has no trials yet")
+            print("\n".join(map(str, sweep_results.draw(Path(folders[0]), found,
+                                                          Path(given.get("output", CURVES_FILE))))), flush=True)
+            return
         found = [run for folder in folders for run in find_runs(Path(folder))]
         if not found:
             raise UserError(f"plot: no run folder (one holding {CONFIG_FILE} and {METRICS_FILE}) in "
@@ -273,6 +332,11 @@ def _look(args: argparse.Namespace) -> None:
             print(plot_runs(found, output, runs.run_names(found)), flush=True)
         return
     root = Path(args.folder)
+    if sweep_results.is_sweep(root) and not args.diff:
+        found = sweep_results.rows(root)
+        print(json.dumps(found, indent=1) if args.json else sweep_results.table(root, found) if found
+              else f"the sweep in {root} has no trials yet")
+        return
     if args.diff:
         a, b = (run_folder(name, root) for name in args.diff)
         differences = runs.config_diff(a, b)
@@ -283,6 +347,24 @@ def _look(args: argparse.Namespace) -> None:
     summaries = [runs.summarize(folder, name) for folder, name in zip(found, runs.run_names(found))]
     print(json.dumps(summaries, indent=1) if args.json else runs.table(summaries) if summaries
           else f"no runs under {root}")
+
+
+def _sweep(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from accel_train.sweep.runner import Sweep, run_sweep
+    from accel_train.sweep.space import parse_space
+
+    if args.trials < 1 or args.startup_trials < 0:
+        raise UserError("sweep: --trials must be 1 or more and --startup_trials 0 or more")
+    given, overrides = _arguments(args.overrides, {"output_dir": None, "resume": None}, "sweep")
+    if "resume" in given:
+        raise UserError("sweep: resume is the sweep's to set (each trial runs with resume=auto); leave it out")
+    parameters, fixed = parse_space(overrides)
+    folder = Path(given.get("output_dir") or Path("sweeps") / Path(args.recipe.rstrip("/")).stem)
+    run_sweep(Sweep(args.recipe, sorted(parameters, key=lambda p: p.key), fixed, args.metric, args.direction or "max",
+                    args.seed, args.startup_trials, args.pruner, args.trials, folder, args.launch,
+                    given_direction=args.direction is not None))
 
 
 # Arguments a command takes as NAME=VALUE beside the config overrides: name -> what it is (None: optional).

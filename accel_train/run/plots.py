@@ -90,3 +90,45 @@ def ordered(names: set[str]) -> list[str]:
     """loss first (the term optimised), then the rest by name."""
     return sorted(names, key=lambda name: (name != "loss", name))
 
+
+
+STATE_MARKERS = {"complete": {"marker": "o"}, "pruned": {"marker": "x"}}
+
+
+def plot_parameters(trials: list[dict], searched: list[tuple[str, bool, tuple | None]], metric: str,
+                    output: Path) -> Path:
+    """A sweep's metric against each searched value, one panel per key: complete trials as dots, pruned ones as
+    crosses at their last evaluation, the best ringed. `searched`: (key, log scale, the choices or None) per key."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    columns = min(3, len(searched))
+    rows = math.ceil(len(searched) / columns)
+    figure = Figure(figsize=(4.5 * columns, 3.6 * rows), layout="constrained")
+    FigureCanvasAgg(figure)
+    scored = [trial for trial in trials if trial["value"] is not None and trial["state"] in STATE_MARKERS]
+    best = next((trial for trial in scored if trial["state"] == "complete"), None)
+    for index, (key, log, choices) in enumerate(searched):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        labels = [str(choice) for choice in choices or ()]  # in the order the command gave them
+        position = (lambda value, labels=labels: labels.index(str(value))) if choices else (lambda value: value)
+        for state, style in STATE_MARKERS.items():
+            points = [(position(t["params"][key]), t["value"]) for t in scored if t["state"] == state and key in
+                      t["params"]]
+            if points:
+                axes.scatter(*zip(*points), label=state, color="C0" if state == "complete" else "C3", **style)
+        if best is not None and key in best["params"]:
+            axes.scatter([position(best["params"][key])], [best["value"]], s=160, facecolors="none",
+                         edgecolors="black", label="best")
+        if choices:
+            axes.set_xticks(range(len(labels)), labels)
+        elif log:
+            axes.set_xscale("log")
+        axes.set_xlabel(key)
+        axes.set_ylabel(metric)
+        axes.grid(alpha=0.3)
+        if index == 0:
+            axes.legend(fontsize="small")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100, pil_kwargs={"compress_level": 1})
+    return output

@@ -227,6 +227,27 @@ MUTATIONS = [
              "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(timeout_s))", "pass",
              ("tests/test_out_of_memory.py::test_one_process_running_out_makes_every_process_redo_the_step_with_half_"
               "the_micro_batch",)),
+    # sweep/runner.py, report: a trial the pruner rejects is sent SIGTERM, so it saves and exits 75.
+    Mutation("a pruned trial is not stopped (it trains to the end, only recorded as pruned)",
+             "accel_train/sweep/runner.py",
+             "    say(f\"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
+             "stopping it\")\n    process.stop()\n",
+             "    say(f\"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
+             "stopping it\")\n",
+             ("tests/test_sweep.py::-k six_trial",)),
+    # sweep/trial.py, _dies_with_the_sweep: a killed sweep's trial gets SIGTERM and saves, so the rerun resumes it.
+    Mutation("a killed sweep leaves its trial training alone (no SIGTERM from the kernel)",
+             "accel_train/sweep/trial.py", "ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)",
+             "pass", ("tests/test_sweep.py::-k killed",)),
+    # sweep/study.py, new_trial: the sampler is seeded from (seed, trial number).
+    Mutation("the sampler not seeded (the same seed samples other values)",
+             "accel_train/sweep/study.py", "TPESampler(seed=trial_seed(seed, len(study.trials)),",
+             "TPESampler(seed=None,", ("tests/test_sweep.py::-k same_seed_samples",)),
+    # config.py: train.lr_base computes train.lr from the global batch.
+    Mutation("train.lr_base ignored (train.lr stays the recipe's at any batch size)",
+             "accel_train/config.py", "    _resolve_lr(config.train, lr_given=",
+             "    (lambda *a, **k: None)(config.train, lr_given=",
+             ("tests/test_cli_and_config.py::-k lr_base",)),
 ]
 
 

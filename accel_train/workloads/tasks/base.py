@@ -20,6 +20,10 @@ REQUIRED = ("training_step", "eval_step", "new_metric")
 
 
 class Task:
+    # The evaluation metrics this task reports, each with whether higher ("max") or lower ("min") is better: checked
+    # before a sweep starts (--metric), and its default direction. None: known only from the first evaluation.
+    metrics: dict[str, str] | None = None
+
     def check_config(self, config: Config) -> None:
         """Before any data loads: reject names and import paths this task cannot build, and resolve what the
         config leaves to them (the pretrained weights' normalisation)."""

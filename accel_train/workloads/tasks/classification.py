@@ -17,6 +17,7 @@ from accel_train.workloads.tasks.base import TASKS, Task, WithComputeArgs
 @TASKS.register("classification")
 class ClassificationTask(Task):
     top_k = 5
+    metrics = {"accuracy": "max", "top5": "max", "loss": "min"}  # top5 with more than 5 classes
     report_top5 = True  # setup knows the number of classes
     predict_top_k = 1
     label_smoothing = 0.0

@@ -76,6 +76,7 @@ def per_sample_terms(logits, images, mean, log_var, beta: float) -> dict[str, to
 
 @TASKS.register("vae")
 class VAETask(Task):
+    metrics = dict.fromkeys(TERMS, "min")
     num_pictures = 32  # eval inputs shown above their reconstructions
     num_samples = 64  # images decoded from the prior
     pictures: dict | None = None
