@@ -14,7 +14,7 @@ from accel_train.run.layout import CURVES_FILE, is_run
 from accel_train.run.records import duration, summarize
 from accel_train.sweep.space import parameter, spell
 
-SWEEP_FILE = "sweep.yaml"
+SWEEP_FILE = "sweep.yaml"  # what the sweep searches (runner.py writes it)
 PARAMETERS_FILE = "parameters.png"
 BEST_SHOWN = 5  # trials overlaid in the curves
 STATE_ORDER = {"complete": 0, "pruned": 1, "running": 2, "failed": 3}

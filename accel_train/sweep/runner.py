@@ -22,11 +22,11 @@ from accel_train.console import say
 from accel_train.errors import Preempted, UserError
 from accel_train.run.records import duration
 from accel_train.sweep import results
+from accel_train.sweep.results import SWEEP_FILE
 from accel_train.sweep.space import Parameter, check_space, spell
 from accel_train.sweep.study import finished, new_trial, open_study, tell, unfinished
 from accel_train.sweep.trial import TrialProcess, launch_prefix, trial_folder, trial_log
 
-SWEEP_FILE = "sweep.yaml"
 LOCK_FILE = "sweep.lock"
 POLL_S = 0.5
 FAILED_BEFORE_GIVING_UP = 3  # failed trials with none complete: the setup is broken, not the values
