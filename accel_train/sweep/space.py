@@ -2,7 +2,7 @@
 
 Checked against the config before any trial starts, by loading the recipe with each parameter at its ends (each
 choice, for `choice`): an unknown key, a value the key cannot take and a range with low >= high are one line.
-No Optuna and no torch here.
+No Optuna and no torch here. Written by hand: Optuna has no text form of its distributions for a command line.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def launch_prefix(launch: str | None) -> list[str]:
 
 def _dies_with_the_sweep() -> None:  # pragma: no cover - runs in the child between fork and exec
     """A sweep that is killed (SIGKILL, a lost session) leaves no trial training on its own: the kernel sends the
-    trial SIGTERM, so it saves and exits 75, and the next sweep resumes it (Linux; elsewhere a no-op)."""
+    trial SIGTERM, so it saves and exits 75, and the next sweep resumes it (Linux; elsewhere a no-op). prctl through
+    ctypes: the standard library has no parent-death signal, and one call is not worth a dependency."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
