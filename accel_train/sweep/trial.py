@@ -37,7 +37,7 @@ def trial_log(sweep: Path, number: int) -> Path:
 def launch_prefix(launch: str | None) -> list[str]:
     """What runs `-m accel_train train ...`: this Python, or the launch command given (accelerate launch,
     torchrun, accel-train launch, srun ...), which must exist here."""
-    if not launch:
+    if launch is None:
         return [sys.executable]
     try:
         words = shlex.split(launch)
