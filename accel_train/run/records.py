@@ -116,6 +116,12 @@ def number(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def columns(rows: list) -> str:
+    """Rows of text cells in fixed-width columns, two spaces apart (the first row is the header)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
 def table(summaries: list[dict]) -> str:
     """The runs side by side, one row each, in fixed-width columns."""
     header = ["run", "recipe", "procs", "precision", "steps", "metric", "best (step)", "final", "wall", "samples/s",
@@ -128,8 +134,7 @@ def table(summaries: list[dict]) -> str:
         rows.append([s["name"], Path(str(s["recipe"])).stem if s["recipe"] else "-", number(s["world_size"]),
                      s["mixed_precision"] or "-", str(s["steps"]), s["metric"] or "-", best, final,
                      duration(s["wall_s"]), speed, str(s["restarts"])])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    return columns(rows)
 
 
 def config_diff(a: Path, b: Path) -> list[tuple[str, object, object]]:
@@ -147,8 +152,7 @@ def diff_table(a: str, b: str, differences: list[tuple[str, object, object]]) ->
     if not differences:
         return f"{a} and {b} have the same config"
     rows = [("key", a, b), *((key, json.dumps(x), json.dumps(y)) for key, x, y in differences)]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    return columns(rows)
 
 
 def run_names(folders: list[Path]) -> list[str]:

@@ -11,7 +11,7 @@ import yaml
 
 from accel_train.errors import UserError
 from accel_train.run.layout import CURVES_FILE, is_run
-from accel_train.run.records import duration, summarize
+from accel_train.run.records import columns, duration, summarize
 from accel_train.sweep.space import parameter, spell
 
 SWEEP_FILE = "sweep.yaml"  # what the sweep searches (runner.py writes it)
@@ -19,15 +19,17 @@ PARAMETERS_FILE = "parameters.png"
 BEST_SHOWN = 5  # trials overlaid in the curves
 STATE_ORDER = {"complete": 0, "pruned": 1, "running": 2, "failed": 3}
 
+
 def is_sweep(folder: Path) -> bool:
     return (folder / SWEEP_FILE).is_file()
 
 
-def read_record(folder: Path) -> dict:
+def read_record(folder: Path, remedy: str = "") -> dict:
+    """What the sweep in `folder` searches (sweep.yaml); unreadable, one line ending in `remedy`."""
     try:
         return yaml.safe_load((folder / SWEEP_FILE).read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
-        raise UserError(f"{folder / SWEEP_FILE} cannot be read ({err})") from None
+        raise UserError(f"{folder / SWEEP_FILE} cannot be read ({err}){remedy}") from None
 
 
 def rows(folder: Path) -> list[dict]:
@@ -62,8 +64,7 @@ def table(folder: Path, found: list[dict]) -> str:
         lines.append([f"trial-{row['trial']:04d}", row["state"], _short(row["value"]),
                       *(_short(row["params"].get(key)) for key in keys), str(row["evaluations"]), str(row["steps"]),
                       duration(row["wall_s"])])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    return columns(lines)
 
 
 def _short(value) -> str:

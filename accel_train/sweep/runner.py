@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from accel_train.config import Config
 from accel_train.console import say
 from accel_train.errors import Preempted, UserError
 from accel_train.run.records import duration
@@ -64,13 +65,13 @@ class Interrupted(Exception):
 def run_sweep(sweep: Sweep) -> None:
     """Check everything, then run trials until `sweep.trials` are done; a stopped sweep's running trial first."""
     prefix = launch_prefix(sweep.launch)
-    check_space(sweep.recipe, sweep.parameters, sweep.fixed)
-    check_metric(sweep)
+    config = check_space(sweep.recipe, sweep.parameters, sweep.fixed)
+    check_metric(sweep, config)
     check_folder(sweep)
     from accel_train.sweep.study import optuna
 
     optuna()  # the install command before any file is written
-    warn_without_validation(sweep)
+    warn_without_validation(sweep, config)
     sweep.folder.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -189,23 +190,19 @@ def give_up_if_broken(study) -> None:
                         f"{last.user_attrs.get('error', '?')}; fix that (see its log) and run the sweep again")
 
 
-def warn_without_validation(sweep: Sweep) -> None:
+def warn_without_validation(sweep: Sweep, config: Config) -> None:
     """Choosing on the test set is the leak a validation split exists to prevent (ImageFolder may hold a val/)."""
-    from accel_train.config import load_config
-
-    config = load_config(sweep.recipe, sweep.fixed)
     if not config.data.val_fraction and config.data.name != "imagefolder" and \
             not any(p.key == "data.val_fraction" for p in sweep.parameters):
         say("accel-train: warning: sweep: no validation split, so trials are compared on the test split, which then "
             "no longer measures unseen data; set data.val_fraction (e.g. 0.1)", error=True)
 
 
-def check_metric(sweep: Sweep) -> None:
-    """--metric is one the task reports (tasks that say which); the default direction comes from it."""
-    from accel_train.config import load_config
+def check_metric(sweep: Sweep, config: Config) -> None:
+    """--metric is one the task reports (tasks that say which); the default direction comes from it. `config`: the
+    recipe with the fixed settings."""
     from accel_train.workloads.tasks import task_named
 
-    config = load_config(sweep.recipe, sweep.fixed)
     known = task_named(config.task).metrics
     if known is None:
         if not sweep.given_direction:
@@ -230,10 +227,7 @@ def check_folder(sweep: Sweep) -> None:
             raise UserError(f"sweep: output_dir={folder} holds files but no {SWEEP_FILE}, so no sweep; give a new "
                             "or empty folder")
         return
-    try:
-        stored = yaml.safe_load((folder / SWEEP_FILE).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise UserError(f"sweep: {folder / SWEEP_FILE} cannot be read ({err}); give a new output_dir") from None
+    stored = results.read_record(folder, remedy="; give a new output_dir")
     changed = [key for key in IDENTITY if stored.get(key) != record[key]]
     if changed:
         shown = "; ".join(f"{key} {_shown(stored.get(key))} there, {_shown(record[key])} here" for key in changed)

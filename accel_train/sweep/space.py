@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from accel_train.config import Config, load_config
+from accel_train.config import spelled as spell  # a value as an override takes it: null, true, 0.001
 from accel_train.errors import UserError
 
 # name: (what it samples, number of arguments); choice takes any number of values
@@ -47,13 +49,6 @@ class Parameter:
     @property
     def log(self) -> bool:
         return self.distribution.startswith("log")
-
-
-def spell(value: Any) -> str:
-    """A value as an override takes it (the config's own spelling: null, true, 0.001, text unquoted)."""
-    from accel_train.config import spelled
-
-    return spelled(value)
 
 
 def is_parameter(override: str) -> bool:
@@ -131,14 +126,12 @@ def _is_number(value: Any, whole: bool) -> bool:
     return isinstance(value, int) if whole else True
 
 
-def check_space(recipe: str, parameters: list[Parameter], fixed: list[str]) -> None:
+def check_space(recipe: str, parameters: list[Parameter], fixed: list[str]) -> Config:
     """Before any trial: the fixed settings load, and every searched key exists and takes every value the sweep
     may give it (the config's own checks, with the parameter at each end and the others at their lows), so no
-    trial fails on a typo."""
-    from accel_train.config import load_config
-
+    trial fails on a typo. Returns the recipe with the fixed settings."""
     try:
-        load_config(recipe, fixed)
+        config = load_config(recipe, fixed)
     except UserError as err:
         raise UserError(f"sweep: {err}") from None
     base = [f"{p.key}={spell(p.values[0])}" for p in parameters]
@@ -155,3 +148,4 @@ def check_space(recipe: str, parameters: list[Parameter], fixed: list[str]) -> N
             except UserError:
                 raise UserError(f"sweep: {searched.spelled}: {searched.key} takes integers; search it with "
                                 f"int(...), logint(...) or choice(...)") from None
+    return config
