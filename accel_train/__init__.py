@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 __all__ = ["Config", "Data", "Task", "UserError", "evaluate", "load_config", "mean_metric", "predict", "train"]
 
 _WHERE = {"train": "api", "evaluate": "api", "predict": "api", "load_config": "config", "Config": "config",
-          "Task": "workloads.tasks", "mean_metric": "workloads.tasks", "Data": "workloads.data", "UserError": "errors"}
+          "Task": "workloads.tasks", "mean_metric": "workloads.tasks", "Data": "data", "UserError": "errors"}
 
 
 def __getattr__(name: str):

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 from accel_train.config import Config, list_recipes, load_config, refuse_contradictions
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
-from accel_train.installed import check_versions
 from accel_train.run.checkpoint import check_resume, read_meta
+from accel_train.run.folder import check_output_dir
 from accel_train.run.layout import CONFIG_FILE, read_config, run_of, weights_folder
 from accel_train.run.tracking import tracker_names
-from accel_train.run.writer import check_output_dir
+from accel_train.versions import check_versions
 
 if TYPE_CHECKING:
     import torch

@@ -193,11 +193,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _print_versions() -> None:
-    from accel_train.installed import version_problems, versions
+    from accel_train.versions import version_problems, versions
 
     for name, version in versions().items():
         print(f"{name:12s} {version}")
-    from accel_train.installed import visible_devices  # imports torch: after the versions, which need none
+    from accel_train.distributed.devices import visible_devices  # imports torch: after the versions, which need none
 
     print(f"{'devices':12s} {visible_devices()[3]}")
     for problem in version_problems():
@@ -205,14 +205,15 @@ def _print_versions() -> None:
 
 
 def _report(err: Exception, prefix: str = "accel-train: error: ") -> None:
-    from accel_train.launch.settings import is_reporting_process, launcher_ranks, launcher_world_size
+    from accel_train.distributed.environment import launcher_environment
 
+    launcher = launcher_environment()
     if getattr(err, "on_every_process", True):  # the same line on every process: the main one says it
-        if is_reporting_process():
+        if launcher.is_reporting_process:
             print(f"{prefix}{err}", file=sys.stderr, flush=True)
         return
-    several = (launcher_world_size() or 1) > 1
-    print(f"{prefix}{f'process {launcher_ranks()[0]}: ' if several else ''}{err}", file=sys.stderr, flush=True)
+    several = (launcher.world_size or 1) > 1
+    print(f"{prefix}{f'process {launcher.rank}: ' if several else ''}{err}", file=sys.stderr, flush=True)
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -223,7 +224,7 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{name:24s} {description}")
         return
     if args.command in ("profiles", "profile"):
-        from accel_train.installed import list_profiles, profile_path, profile_summary
+        from accel_train.launch.profiles import list_profiles, profile_path, profile_summary
 
         if args.command == "profile":
             print(profile_path(args.name))
@@ -232,7 +233,7 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{name:24s} {profile_summary(path)}")
         return
     if args.command == "doctor":
-        from accel_train.tools.doctor import run
+        from accel_train.launch.doctor import run
 
         sys.exit(run(args))
     if args.command in ("runs", "plot"):
@@ -243,7 +244,7 @@ def _run(args: argparse.Namespace) -> None:
         for key, type_name, text, value in describe_keys(values):
             print(f"{key:24s} {type_name:12s} {'default' if values is None else 'value'} {spelled(value):10s} {text}")
         return
-    from accel_train.installed import check_versions
+    from accel_train.versions import check_versions
 
     check_versions()  # before anything else: an old library fails later with errors that blame something else
     overrides = list(args.overrides)
@@ -262,7 +263,7 @@ def _run(args: argparse.Namespace) -> None:
     recipe, overrides = _recipe_or_override(args.recipe, overrides)
     given, overrides = _arguments(overrides, COMMAND_ARGUMENTS.get(args.command, {}), args.command)
     from accel_train import api
-    from accel_train.launch.settings import is_reporting_process
+    from accel_train.distributed.environment import launcher_environment
 
     # Torch loads only once the config is known to be valid: the API checks first (and, for eval and predict,
     # that it agrees with the run).
@@ -273,17 +274,17 @@ def _run(args: argparse.Namespace) -> None:
     split = given.get("split", "test")
     config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, args.command, split=split)
     if args.command == "eval":
-        if is_reporting_process():  # torch and the data take seconds: say what is coming
+        if launcher_environment().is_reporting_process:  # torch and the data take seconds: say what is coming
             print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} {split})...",
                   file=sys.stderr, flush=True)
         metrics = api.evaluate_run(config, checkpoint, split=split)
-        if is_reporting_process():
+        if launcher_environment().is_reporting_process:
             print(f"accel-train eval: {checkpoint}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
         output = given.get("output", "predictions.csv")
         rows = api.predict_run(config, checkpoint, given["input"], output)
-        if is_reporting_process():
+        if launcher_environment().is_reporting_process:
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
 
 
@@ -307,7 +308,7 @@ def _look(args: argparse.Namespace) -> None:
     """`runs` and `plot`: read run folders only (no torch)."""
     from pathlib import Path
 
-    from accel_train.run import records as runs
+    from accel_train.run import summaries as runs
     from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
     from accel_train.sweep import results as sweep_results
 

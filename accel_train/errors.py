@@ -54,7 +54,7 @@ class NonFiniteError(UserError):
 class Stuck(Exception):
     """No process made progress for train.stuck_after_s: each live process wrote its stacks to output_dir/stuck/, the
     main process named the stopped ones in one line, and every process ended itself; exit code 6. Ended from the
-    watchdog's thread (run/watchdog.py), since the main thread is the one that is blocked: never raised."""
+    watchdog's thread (distributed/watchdog.py), since the main thread is the one that is blocked: never raised."""
 
     exit_code = 6
 

@@ -28,7 +28,7 @@ import pytest
 # test that happens to import torch first is not taken for one that starts a process.
 import torch  # noqa: F401
 
-from accel_train.run.records import TIMING
+from accel_train.run.summaries import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -371,7 +371,7 @@ def crops_of_training_batches(into: list):
     [epoch, [[index, top, left, flip] for each image]] to `into`, found by a CropFinder over the training set of
     an in-memory dataset (on the device or file-backed, data.on_device=false). The run computes what it would."""
     from accel_train.training import loop
-    from accel_train.workloads.data import InMemoryImages, pad_for
+    from accel_train.data import InMemoryImages, pad_for
     from accel_train.workloads.tasks.classification import ClassificationTask
 
     make_loader, mix_batch, finder = loop.make_loader, ClassificationTask.mix_batch, {}

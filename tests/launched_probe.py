@@ -61,7 +61,7 @@ import torch
 
 from accel_train import cli
 from accel_train.training import loop
-from accel_train.workloads import data
+from accel_train import data
 from conftest import crops_of_training_batches, inputs_of_training_batches
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3

@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from accel_train.workloads import data
+from accel_train import data
 from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume, launch, read_metrics, train_in_process
 
 # 90 samples: 3 optimizer steps of 24 per epoch, with 18 samples left over (3 micro-batches of 6 under

@@ -27,7 +27,7 @@ from test_launch_paths import accelerate, torchrun
 
 from accel_train.run.checkpoint import list_checkpoints, to_keep
 from accel_train.run.layout import read_starts
-from accel_train.run.records import TIMING
+from accel_train.run.summaries import TIMING
 from conftest import (
     PROBE,
     PROFILES,

@@ -11,7 +11,7 @@ from accelerate.data_loader import prepare_data_loader
 from PIL import Image
 
 from accel_train.config import DataConfig
-from accel_train.workloads.data import (
+from accel_train.data import (
     Data,
     InMemoryImages,
     KeyedSamples,
@@ -148,7 +148,7 @@ def test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size(monkeypa
     """What the loop calls at each epoch (start_epoch on Accelerate's prepared loader) reaches the on-device
     augmentation: a sample's key is a function of (seed, epoch, index), on every process. Accelerate hands the
     epoch to the dataset itself at 1 process only; at 2, start_epoch alone does."""
-    from accel_train.workloads import data
+    from accel_train import data
 
     drawn, sample_keys = [], data.sample_keys
 

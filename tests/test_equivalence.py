@@ -125,7 +125,7 @@ def test_shuffling_is_a_function_of_seed_and_epoch():
 
     from accel_train.config import DataConfig
     from accel_train.launch.distributed import make_accelerator
-    from accel_train.workloads.data import Data, make_loader
+    from accel_train.data import Data, make_loader
 
     def order(seed: int, epoch: int) -> list[int]:
         accelerator = make_accelerator(seed)
@@ -163,7 +163,7 @@ def test_augmentation_randomness_differs_between_processes(augmented_uneven):
     samples, draw differently; a sample draws the same at 3 processes as at 1 (this process); another epoch or
     seed draws anew. Read from the pixels the model received, so a draw that is not applied fails too."""
     from accel_train.config import load_config
-    from accel_train.workloads.data import build_dataset, pad_for
+    from accel_train.data import build_dataset, pad_for
 
     batches = crops_received(augmented_uneven[1])
     assert_processes_draw_differently(batches)

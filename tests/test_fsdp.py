@@ -11,7 +11,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from accel_train.run.records import TIMING
+from accel_train.run.summaries import TIMING
 from accel_train.workloads.models import MnistCNN
 from conftest import (
     PROBE,

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from accel_train.run.checkpoint import list_checkpoints
 from accel_train.run.layout import read_micro_batch_changes, read_starts
-from accel_train.run.records import summarize
+from accel_train.run.summaries import summarize
 from conftest import (
     PROBE,
     assert_same_run,

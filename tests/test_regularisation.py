@@ -37,7 +37,7 @@ def test_biases_and_normalisation_weights_get_no_weight_decay_unless_asked():
 
 
 def test_label_smoothing_is_cross_entropys_own_and_leaves_the_eval_loss_plain():
-    from accel_train.workloads.data import Data
+    from accel_train.data import Data
     from accel_train.workloads.tasks import task_named
 
     task = task_named("classification")
@@ -131,7 +131,7 @@ def test_mixing_needs_class_labels_and_file_backed_augmentation_needs_per_sample
 def test_trivial_augment_and_random_erasing_run_on_file_backed_training_images_only(tmp_path):
     from torchvision.transforms import v2
 
-    from accel_train.workloads.data import InMemoryImages, PerSampleImages, _imagefolder_transform
+    from accel_train.data import InMemoryImages, PerSampleImages, _imagefolder_transform
 
     config = load_config("imagefolder", ["data.trivial_augment=true", "data.random_erasing=0.25"])
     train, evaluation = (_imagefolder_transform(config.data, train) for train in (True, False))
@@ -144,7 +144,7 @@ def test_trivial_augment_and_random_erasing_run_on_file_backed_training_images_o
 
 
 def test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented():
-    from accel_train.workloads.data import Data, InMemoryImages, hold_out_validation
+    from accel_train.data import Data, InMemoryImages, hold_out_validation
 
     images = torch.arange(50, dtype=torch.uint8).view(50, 1, 1, 1).expand(50, 1, 4, 4)
     data = Data(InMemoryImages(images, torch.arange(50) % 10, (0.5,), (0.5,), augment=True), 10, (1, 4, 4))
@@ -173,7 +173,7 @@ def _image_folder(root, splits, classes=("cat", "dog"), per_class=3):
 
 
 def test_an_imagefolder_val_folder_beside_test_is_the_validation_split(tmp_path):
-    from accel_train.workloads.data import build_dataset, hold_out_validation
+    from accel_train.data import build_dataset, hold_out_validation
 
     _image_folder(tmp_path, ("train", "val", "test"))
     cfg = load_config("imagefolder", [f"data.root={tmp_path}"]).data

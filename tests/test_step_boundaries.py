@@ -12,7 +12,7 @@ import torch
 from accel_train.config import load_config
 from accel_train.launch.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
 from accel_train.run.checkpoint import Checkpoints, ResumePoint, resume_position
-from accel_train.run.writer import lines_up_to
+from accel_train.run.folder import lines_up_to
 from conftest import read_metrics, train_in_process
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
@@ -165,7 +165,7 @@ def test_the_train_meter_state_round_trips_bit_for_bit():
 
 def test_a_checkpoint_restores_every_stateful_part_by_name_and_one_of_the_previous_layout_too(tmp_path):
     from accel_train.run.checkpoint import _read_loop_state
-    from accel_train.run.progress import Progress
+    from accel_train.state import Progress
 
     meta = {"step": 12, "epoch": 1, "metrics": {"accuracy": 0.5}}
     progress = Progress(steps_per_epoch=10, total_steps=30, step=12, last_eval={"accuracy": 0.5})
@@ -271,7 +271,7 @@ def test_a_run_that_waits_for_data_says_so_in_its_lines_its_summary_and_one_warn
     from types import SimpleNamespace
 
     from accel_train.training import meter
-    from accel_train.workloads import data
+    from accel_train import data
 
     lost = {"s": 0.0}
     monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + lost["s"]))

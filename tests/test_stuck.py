@@ -22,7 +22,7 @@ from test_data_paths import USER_RECIPE
 import accel_train
 from accel_train.config import load_config
 from accel_train.errors import UserError
-from accel_train.run import watchdog
+from accel_train.distributed import watchdog
 from accel_train.run.checkpoint import Checkpoints
 from conftest import read_metrics, start_launch
 

@@ -80,7 +80,7 @@ def test_recipe_runs_one_step_on_fakedata_of_its_shape(recipe, data_name, extra,
 
 def test_stl10_recipe_feeds_the_model_224_pixel_images():
     from accel_train.config import load_config
-    from accel_train.workloads.data import build_dataset
+    from accel_train.data import build_dataset
 
     data = build_dataset(load_config("stl10_resnet18", ["data.synthetic=true", "data.train_subset=4"]).data, True)
     images, _ = data.dataset.__getitems__([0, 1])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
-from accel_train.run.records import TIMING
+from accel_train.run.summaries import TIMING
 from conftest import (
     PYTHON,
     REPO,
@@ -70,7 +70,7 @@ def test_an_import_path_mistake_is_named_in_one_line_before_any_data_loads(overr
                                                                      "(input tensor, integer label)"]),
 ])
 def test_what_user_code_returns_is_checked_where_it_is_called(overrides, words):
-    from accel_train.workloads.data import build_dataset
+    from accel_train.data import build_dataset
     from accel_train.workloads.tasks import task_named
 
     config = checked(*overrides)
@@ -340,7 +340,7 @@ def test_predict_writes_one_row_per_file_identically_at_1_and_2_processes(image_
 def test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file(image_run):
     """Each row is the model's output for the file the row names: not its neighbour's in the batch or the sort."""
     import accel_train
-    from accel_train.workloads.data import Data, image_converter, load_image
+    from accel_train.data import Data, image_converter, load_image
     from accel_train.workloads.tasks import task_named
 
     settings = [*IMAGE_RUN, "predict.top_k=3", "predict.batch_size=4"]  # 13 files: batches of 4, 4, 4 and 1
@@ -394,7 +394,7 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
 
 def test_predict_converts_an_image_as_the_recipes_eval_data_is(tmp_path):
     """Grayscale 28 px for MNIST, whatever the file: the file's pixels reach the model as an eval sample's do."""
-    from accel_train.workloads.data import build_dataset, image_converter
+    from accel_train.data import build_dataset, image_converter
 
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.eval_subset=3"])
     convert, shape = image_converter(config.data)

@@ -22,7 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from accel_train.run.layout import read_starts
-from accel_train.run.records import TIMING
+from accel_train.run.summaries import TIMING
 from conftest import PROBE, PYTHON, REPO, _env, launch, metrics_lines_before, newest_checkpoint_step, read_metrics
 
 STOP_STEP, TOTAL_STEPS, MICRO_BATCH = 5, 12, 4  # 4 steps per epoch: step 5 is 1 into epoch 1

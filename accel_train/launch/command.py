@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 
 from accel_train.errors import LaunchError, UserError
 from accel_train.launch.rendezvous import reachable, store_answers
-from accel_train.launch.settings import launch_settings
+from accel_train.launch.settings import settings_of_command
 
 JOIN_TIMEOUT_S = 300.0  # documented in README, the profiles and the SLURM script: shorter than torch's silent 600 s
 SAY_EVERY_S = 10.0
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
         print(f"usage: {USAGE}\n\n{__doc__.strip()}")
         return
     timeout, arguments = split_arguments(argv)
-    settings, config_file = launch_settings(arguments)
+    settings, config_file = settings_of_command(arguments)
     if settings.num_machines > 1:
         meet(settings, config_file, timeout)
     command = [sys.executable, "-m", "accelerate.commands.launch", *arguments]

@@ -1,105 +1,18 @@
-"""Launch settings, read in one place: what the launcher told this process (the environment: the only module
-that reads it), and what `accelerate launch` will use (its flags over its config file), for doctor and
-`accel-train launch`.
-"""
+"""What `accelerate launch` will use: its flags over the launcher's environment over its config file, read and
+checked the same way for doctor and `accel-train launch`."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import LaunchError, UserError
 
 CONFIG_KEYS = {"distributed_type": str, "num_processes": int, "num_machines": int, "machine_rank": int,
                "main_process_ip": str, "main_process_port": int, "mixed_precision": str}
-
-
-def launcher_world_size() -> int | None:
-    """The world size torchrun / accelerate launch asked for, or None when run as a plain process."""
-    value = os.environ.get("WORLD_SIZE")
-    return int(value) if value else None
-
-
-def launcher_ranks() -> tuple[int, int]:
-    """(global rank, rank on this node) the launcher gave this process; (0, 0) for a plain process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def launcher_restarts() -> tuple[int, int]:
-    """(restarts of the worker group so far, restarts allowed) under torchrun / accelerate launch --max_restarts;
-    (0, 0) for a plain process. A restart is the launcher starting every process again after one failed."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-
-
-def host_name() -> str:
-    """This machine's name, as a run's records and reports give it."""
-    return socket.gethostname()
-
-
-def is_reporting_process() -> bool:
-    """True on the one process that should print user errors raised before the Accelerator exists."""
-    return launcher_ranks()[0] == 0
-
-
-def requested_mixed_precision() -> str:
-    """The mixed precision the launch profile asks for ("no" outside a launcher)."""
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-
-
-def uses_agent_store() -> bool:
-    """Whether torchrun's elastic agent hands its own store to the workers (torchrun and accelerate launch do)."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def wants_fsdp() -> bool:
-    """Whether the launch profile asks for FSDP (accelerate launch exports its fsdp_config this way)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                      "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass
-class LauncherSettings:
-    """What a launcher (torchrun, accelerate launch) told this process; each field None outside a launcher."""
-
-    world_size: int | None
-    local_world_size: int | None
-    node_rank: int | None
-    main_address: str | None
-    main_port: int | None
-    mixed_precision: str | None
-    socket_interfaces: dict[str, str]  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME as set here
-
-
-def launcher_settings() -> LauncherSettings:
-    env = os.environ
-
-    def number(name: str) -> int | None:
-        return int(env[name]) if env.get(name) else None
-
-    return LauncherSettings(
-        world_size=launcher_world_size(),
-        local_world_size=number("LOCAL_WORLD_SIZE"),
-        node_rank=number("GROUP_RANK") if env.get("GROUP_RANK") else number("NODE_RANK"),
-        main_address=env.get("MASTER_ADDR") or None,
-        main_port=number("MASTER_PORT"),
-        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION") or None,
-        socket_interfaces={name: env[name] for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if env.get(name)},
-    )
-
-
-def plain_process_env(threads: int | None = None) -> dict:
-    """Environment for a run started by accel-train itself (the bench): a plain process, fixed thread count."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
 
 
 @dataclass
@@ -162,7 +75,7 @@ def resolve_launch(args, report: Report) -> Launch:
                     setattr(launch, key, kind(config[key]))
                 except ValueError:
                     report.problem(f"accelerate config {path}: {key}={config[key]!r} must be a whole number; fix it")
-    launcher = launcher_settings()
+    launcher = launcher_environment()
     if launcher.world_size:  # under accelerate launch / torchrun: what the launcher actually passed
         launch.under_launcher = True
         launch.num_processes = launcher.world_size
@@ -229,7 +142,7 @@ def machine_count(value: str) -> int:
     return int(value)
 
 
-def launch_settings(arguments: list[str]):
+def settings_of_command(arguments: list[str]) -> tuple[Launch, str | None]:
     """The settings accelerate launch will use (flags over its config file), read and checked the way doctor reads
     and checks them."""
     # What follows the module or script is the training command's, not the launcher's.

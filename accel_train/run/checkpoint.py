@@ -16,8 +16,8 @@ A checkpoint is written as `.partial-step-N` and renamed when complete, so a cra
 previous checkpoints or the complete new one. Checkpoints are found and ordered by
 their checkpoint.json, never by name.
 
-The loop decides when to save (`due`, `due_after_eval`) and calls `save`; `resume` restores the parts and
-returns where training continues as a ResumePoint. Loading goes through `accelerator.load_state` with
+The loop asks whether a step is to be saved (`due`: the manager decides) and calls `save`; `resume` restores the
+parts and returns where training continues as a ResumePoint. Loading goes through `accelerator.load_state` with
 `weights_only=True` (safetensors for the model): nothing in a checkpoint can run code when it is read.
 """
 
@@ -29,15 +29,15 @@ import os
 import pickle
 import shutil
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from accel_train import hooks
 from accel_train.config import refuse_contradictions
 from accel_train.console import say, warn
+from accel_train.distributed.collectives import any_process, first_message
 from accel_train.errors import UserError, writing
-from accel_train.launch.distributed import any_process, first_message
 from accel_train.run.layout import (
     CHECKPOINT_META_FILE,
     LOOP_STATE_FILE,
@@ -45,14 +45,13 @@ from accel_train.run.layout import (
     checkpoints_dir,
     usual_permissions,
 )
-from accel_train.run.records import across_world_sizes
+from accel_train.state import Progress, ResumePoint
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
     from accel_train.config import CheckpointConfig, Config
-    from accel_train.run.progress import Progress
 
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
@@ -61,24 +60,6 @@ PARTIAL_PREFIX = ".partial-"
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """What a checkpoint restored, and where training continues."""
-
-    step: int = 0  # optimizer steps already taken
-    epoch: int = 0  # the epoch to continue
-    skip: int = 0  # batches of that epoch already trained
-    evaluated: bool = False  # the checkpoint was saved after the evaluation at `step`
-    in_output_dir: bool = False  # saved by this output_dir's run: its metrics.jsonl continues
-    saved_world_size: int | None = None  # the processes that saved it (None: no checkpoint resumed)
-
-    def world_size_change(self, world_size: int) -> str | None:
-        """'resumed at 3 processes from a checkpoint of 2' when the checkpoint was saved at another world size."""
-        if self.saved_world_size is None or self.saved_world_size == world_size:
-            return None
-        return f"resumed {across_world_sizes(world_size, self.saved_world_size)}"
 
 
 def read_meta(folder: Path) -> dict | None:
@@ -113,13 +94,10 @@ def to_keep(checkpoints: list[tuple[Path, dict]], keep_last: int, best_metric: s
 
 
 def resume_position(meta: dict) -> tuple[int, int]:
-    """(epoch to continue, batches of it already trained) for a checkpoint's metadata.
-
-    A checkpoint saved after an epoch's last step but before its evaluation (a signal at that step) continues
-    that epoch with every batch skipped, so the evaluation still runs.
-    """
+    """(epoch to continue, optimizer steps of it already taken) for a checkpoint's metadata: a checkpoint of an
+    epoch's last step continues with the next epoch (that step's evaluation came before the save)."""
     epoch, done = meta["epoch"], meta["batches_done_in_epoch"]
-    if done >= meta["steps_per_epoch"] and meta["evaluated"]:
+    if done >= meta["steps_per_epoch"]:
         return epoch + 1, 0
     return epoch, done
 
@@ -140,17 +118,18 @@ class Checkpoints:
                 accelerator.register_for_checkpointing(part)
         self.states = {name: part for name, part in states.items() if not isinstance(part, torch.nn.Module)}
 
-    def due(self, step: int) -> bool:
-        """A save every checkpoint.every_steps optimizer steps."""
-        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
-
-    def due_after_eval(self, step: int, last: bool, epoch_ends: bool = True) -> bool:
-        """After an evaluation: at each epoch end (checkpoint.at_epoch_end), when every_steps falls there, and at
-        the end of the run (the last step, or early stopping) when saving is on at all."""
+    def due(self, progress: Progress, last: bool) -> bool:
+        """Whether the step just taken is saved: every checkpoint.every_steps optimizer steps, after each epoch's
+        evaluation (checkpoint.at_epoch_end), and at the run's `last` step (its end, or early stopping) when saving
+        is on at all."""
+        every = bool(self.cfg.every_steps) and progress.step % self.cfg.every_steps == 0
         saving = self.cfg.at_epoch_end or bool(self.cfg.every_steps)
-        return (epoch_ends and self.cfg.at_epoch_end) or self.due(step) or (last and saving)
+        return every or (progress.at_epoch_end and self.cfg.at_epoch_end) or (last and saving)
 
     def save(self, progress: Progress, evaluated: bool) -> Path:
+        """Every process writes its part; the main process publishes the folder once all have. `evaluated`: after
+        the step's evaluation (its metrics go into checkpoint.json)."""
+        hooks.every().checkpoint_saving(progress)
         accelerator, name = self.accelerator, f"step-{progress.step:08d}"
         loop_state = {part_name: part.state_dict() for part_name, part in self.states.items()}
         partial = self.directory / f"{PARTIAL_PREFIX}{name}"
@@ -170,6 +149,7 @@ class Checkpoints:
                 final = self._publish(progress, evaluated, partial, name, time.perf_counter() - started)
                 self._prune()
         accelerator.wait_for_everyone()
+        hooks.every().checkpoint_saved(progress, final)
         return final
 
     def _publish(self, progress: Progress, evaluated: bool, partial: Path, name: str, seconds: float) -> Path:
@@ -275,7 +255,7 @@ class Checkpoints:
         for name, part in self.states.items():
             if saved.get(name) is not None:
                 part.load_state_dict(saved[name])
-        return ResumePoint(step=meta["step"], epoch=epoch, skip=done, evaluated=meta["evaluated"],
+        return ResumePoint(step=meta["step"], epoch=epoch, steps_done_in_epoch=done, evaluated=meta["evaluated"],
                            in_output_dir=folder.parent.resolve() == directory.resolve(),
                            saved_world_size=meta["world_size"])
 

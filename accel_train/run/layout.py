@@ -25,9 +25,10 @@ from pathlib import Path
 
 import yaml
 
+from accel_train.config import CONFIG_FILE
+from accel_train.distributed.watchdog import STUCK_DIR
 from accel_train.errors import UnreadableFileError, UserError
 
-CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 STARTS_FILE = "starts.jsonl"
 CLASSES_FILE = "classes.json"
@@ -39,10 +40,6 @@ CHECKPOINTS_DIR = "checkpoints"
 TRACKERS_DIR = "trackers"
 CHECKPOINT_META_FILE = "checkpoint.json"
 LOOP_STATE_FILE = "loop_state_{process}.json"  # one per process: the state of the loop's parts on that process
-STUCK_DIR = "stuck"
-STUCK_STACKS_FILE = "process-{process}.txt"  # faulthandler's dump of every thread of that process
-STUCK_RECORD_FILE = "process-{process}.json"  # where it was: phase, step, innermost frame, waiting in a collective
-STUCK_REPORT_FILE = "report.json"  # the main process's line; the others end once it is there
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -142,7 +139,7 @@ MICRO_BATCH_CHANGE = "micro_batch_size"  # the "event" of a line of starts.jsonl
 
 
 def read_starts(folder: Path) -> list[dict]:
-    """starts.jsonl: when, where and from which step each start of the run began ([] for runs older than it)."""
+    """starts.jsonl: when, where and from which step each start of the run began ([] where there is none)."""
     return [line for line in _history(folder) if "event" not in line]
 
 

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from accel_train.run.layout import read_lines
-from accel_train.run.records import eval_metrics
+from accel_train.run.summaries import eval_metrics
 
 NOT_PLOTTED = {"lr"}  # a panel of its own
 SPLIT_STYLE = {"val": {"linestyle": "-", "marker": "o"}, "test": {"linestyle": "--", "marker": "x"}}

@@ -14,10 +14,9 @@ from pathlib import Path
 
 from accel_train.config import Config, flatten
 from accel_train.errors import UserError
-from accel_train.installed import version_problems
 from accel_train.run.layout import trackers_dir
-from accel_train.run.observers import Observer
-from accel_train.run.progress import Progress
+from accel_train.state import Observer, State
+from accel_train.versions import version_problems
 
 PROJECT = "accel-train"  # the project (W&B, Aim) or experiment (MLflow); TensorBoard's folder under trackers/
 # train.log_with -> (the package it needs, how to get it)
@@ -51,25 +50,24 @@ def installed(package: str) -> bool:
 class Trackers(Observer):
     """Feeds Accelerate's trackers on the main process; Accelerator.end_training closes them."""
 
-    def __init__(self, accelerator, config: Config, launch_info: dict, resumed_here: bool) -> None:
-        self.accelerator, self.config, self.launch_info = accelerator, config, launch_info
-        self.resumed_here = resumed_here  # resumed from a checkpoint of this output_dir: its events are there
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator  # what the trackers are fed through
 
-    def on_train_start(self, progress: Progress) -> None:
-        name = Path(self.config.output_dir).name
+    def on_train_start(self, state: State) -> None:
+        config = state.config
+        name = Path(config.output_dir).name
         init_kwargs = {"wandb": {"name": name}, "mlflow": {"run_name": name}}
-        if self.resumed_here:
+        if state.start.in_output_dir:  # resumed from a checkpoint of this output_dir: its events are there
             # As metrics.jsonl drops the lines written after the checkpoint, TensorBoard drops those events.
-            init_kwargs["tensorboard"] = {"purge_step": progress.step + 1}
-            after_earlier_events(trackers_dir(self.config.output_dir) / PROJECT)
-        self.accelerator.init_trackers(PROJECT, config=hyperparameters(self.config, self.launch_info),
-                                       init_kwargs=init_kwargs)
+            init_kwargs["tensorboard"] = {"purge_step": state.progress.step + 1}
+            after_earlier_events(trackers_dir(config.output_dir) / PROJECT)
+        self.accelerator.init_trackers(PROJECT, config=hyperparameters(config, state.launch), init_kwargs=init_kwargs)
 
-    def on_log(self, progress: Progress, logs: dict) -> None:
-        self.accelerator.log(scalars("train", logs), step=progress.step)
+    def on_log(self, state: State, logs: dict) -> None:
+        self.accelerator.log(scalars("train", logs), step=state.progress.step)
 
-    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        self.accelerator.log(scalars(split, metrics), step=progress.step)
+    def on_eval(self, state: State, metrics: dict, split: str) -> None:
+        self.accelerator.log(scalars(split, metrics), step=state.progress.step)
 
 
 def after_earlier_events(folder: Path) -> None:

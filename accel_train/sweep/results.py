@@ -11,7 +11,7 @@ import yaml
 
 from accel_train.errors import UserError
 from accel_train.run.layout import CURVES_FILE, is_run
-from accel_train.run.records import columns, duration, summarize
+from accel_train.run.summaries import columns, duration, summarize
 from accel_train.sweep.space import parameter, spell
 
 SWEEP_FILE = "sweep.yaml"  # what the sweep searches (runner.py writes it)

@@ -21,7 +21,7 @@ import yaml
 from accel_train.config import Config
 from accel_train.console import say
 from accel_train.errors import Preempted, UserError
-from accel_train.run.records import duration
+from accel_train.run.summaries import duration
 from accel_train.sweep import results
 from accel_train.sweep.results import SWEEP_FILE
 from accel_train.sweep.space import Parameter, check_space, spell

@@ -26,13 +26,15 @@ import torch
 from accelerate.utils import set_seed
 
 from accel_train.config import Config, load_config
+from accel_train.data import build_dataset, make_loader
+from accel_train.distributed.accelerator import make_accelerator
+from accel_train.distributed.devices import cpu_has_bf16, dataloader_workers
+from accel_train.distributed.environment import plain_process_env
 from accel_train.errors import UserError
-from accel_train.installed import cpu_has_bf16, profile_path, versions
-from accel_train.launch.distributed import dataloader_workers, make_accelerator
-from accel_train.launch.settings import plain_process_env
+from accel_train.launch.profiles import profile_path
 from accel_train.run.layout import read_lines
 from accel_train.training.optim import build_optimizer, build_scheduler
-from accel_train.workloads.data import build_dataset, make_loader
+from accel_train.versions import versions
 from accel_train.workloads.models import tune_for_device
 from accel_train.workloads.tasks import task_named
 

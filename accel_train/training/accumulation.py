@@ -16,10 +16,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import find_executable_batch_size, send_to_device
 
+from accel_train import hooks
 from accel_train.config import Config, TrainConfig
+from accel_train.data import Data, make_loader
+from accel_train.distributed.accelerator import divisors
 from accel_train.errors import UserError
-from accel_train.launch.distributed import divisors
-from accel_train.workloads.data import Data, make_loader
 
 
 def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:
@@ -41,28 +42,6 @@ def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:
                         f"process(es) takes per step (train.batch_size={cfg.batch_size}); use one of "
                         f"{', '.join(map(str, divisors(per_process)))}")
     return per_process // given if cfg.micro_batch_size is not None else given
-
-
-class StepTerms:
-    """The terms of one optimizer step: the mean of its micro-batches' terms (each a mean over its samples).
-
-    With equal micro-batches that is the mean over the step's samples, what one batch without accumulation
-    gives; a NaN in any micro-batch stays in the mean, so the non-finite guard sees it.
-    """
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-        self.sums: dict[str, torch.Tensor] = {}
-
-    def add(self, terms: dict[str, torch.Tensor]) -> None:
-        for name, value in terms.items():
-            value = value.detach()
-            self.sums[name] = value if name not in self.sums else self.sums[name] + value
-
-    def mean(self) -> dict[str, torch.Tensor]:
-        means = {name: value / self.steps for name, value in self.sums.items()} if self.steps > 1 else self.sums
-        self.sums = {}
-        return means
 
 
 def fit_micro_batch(config: Config, accelerator: Accelerator, task, model: torch.nn.Module, data: Data) -> int:
@@ -125,7 +104,7 @@ def try_micro_batch(accelerator: Accelerator, task, model, data: Data, probe_dat
     loader = make_loader(data, probe_data, size, False, accelerator.device)
     batch = send_to_device(next(iter(loader)), accelerator.device)
     with accelerator.autocast():
-        terms = task.training_step(model, batch)
+        terms = hooks.every().after_forward("search", None, model, batch, task.training_step(model, batch))
     terms["loss"].backward()
     model.zero_grad(set_to_none=True)
     del terms, batch

@@ -6,7 +6,7 @@ backward pass of a step's last micro-batch, and the non-finite guard reduces a f
 out of memory in a forward or backward pass never enters them, and the others would wait for it until
 train.collective_timeout_s. So every micro-batch of an adaptive step runs forward and backward under no_sync (no
 all-reduce), catching the out-of-memory error; then the processes agree over the CPU group whether any ran out (one
-all-reduce of a flag a process, no device read: launch/distributed.py); then either all average their gradients once
+all-reduce of a flag a process, no device read: distributed/collectives.py); then either all average their gradients once
 and the loop clips, guards and steps as usual, or all drop their gradients, free memory, halve the micro-batch and
 run the step again. Single process: no agreement, the same catch and redo. Under FSDP (sharded gradients, gathers
 inside forward) nothing is redone: running out stops the run in one line, as with a fixed micro-batch.
@@ -14,14 +14,13 @@ inside forward) nothing is redone: running out stops the run in one line, as wit
 The loader keeps the micro-batches the search before training chose (accumulation.py), so the data order, mixing and
 resume positions stay those of the plan; a step keeps its loaded micro-batches and splits each into equal chunks
 (halving: the largest divisor of the loaded micro-batch at most half the last chunk), each chunk's loss weighted by
-its share of the micro-batch, so the gradient is the mean over the step's samples as before. The chunk size is
-recorded (config, checkpoint, starts.jsonl) and a resume continues with it. Evaluation does the same per eval batch,
+its share of the micro-batch, so the gradient is the mean over the step's samples as before. The chunk size
+(MicroBatchSize, a stateful part of the run) is recorded (config, checkpoint, starts.jsonl) and a resume continues
+with it. Evaluation does the same per eval batch,
 agreeing before gather_for_metrics, so the metrics do not change.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
@@ -29,95 +28,34 @@ from accelerate.utils import concatenate, find_batch_size, release_memory, slice
 
 from accel_train.config import TrainConfig
 from accel_train.console import warn
-from accel_train.errors import OutOfDeviceMemory, UserError
-from accel_train.launch.distributed import average_gradients, divisors, processes_where, shards_gradients
-from accel_train.run.observers import Observer
-from accel_train.run.progress import Progress
-from accel_train.run.records import named_processes
-from accel_train.training.accumulation import StepTerms
-
-SMALLER_MODEL = "use a smaller model or image size, mixed precision, or FSDP"
-
-
-def ran_out_of_memory(err: BaseException) -> bool:
-    """torch's out-of-memory error (torch.cuda.OutOfMemoryError is the same class), or what Accelerate's batch-size
-    search takes for running out (the CPU allocator's, MPS's)."""
-    from accelerate.utils.memory import should_reduce_batch_size
-
-    return isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err)
+from accel_train.distributed.accelerator import divisors, shards_gradients
+from accel_train.distributed.collectives import average_gradients, processes_where
+from accel_train.errors import UserError
+from accel_train.run.summaries import named_processes
+from accel_train.state import Observer, State
+from accel_train.training.memory import SMALLER_MODEL, ran_out_of_memory
+from accel_train.training.steps import StepTerms, eval_outputs, training_terms
 
 
-def adapts(accelerator: Accelerator, auto: bool) -> bool:
+def halves_on_out_of_memory(accelerator: Accelerator, auto: bool) -> bool:
     """Whether running out of memory halves the micro-batch: micro_batch_size=auto, and no FSDP."""
     return auto and not shards_gradients(accelerator)
 
 
-class AdaptiveMicroBatch:
-    """The optimizer steps of micro_batch_size=auto: the loop hands it a step's micro-batches (`keep`), then `step`
-    runs them, redoing the step with half the micro-batch whenever any process ran out of memory. Its state (the
-    chunk size) survives a resume."""
+class MicroBatchSize:
+    """The samples of a forward pass under micro_batch_size=auto: the loaded micro-batch, or the divisor of it that
+    the last halving left. A stateful part of the run: a resume continues with it."""
 
-    def __init__(self, accelerator: Accelerator, cfg: TrainConfig, task) -> None:
-        self.accelerator, self.cfg, self.task = accelerator, cfg, task
+    def __init__(self, accelerator: Accelerator, cfg: TrainConfig) -> None:
+        self.accelerator, self.cfg = accelerator, cfg
         self.steps = accelerator.gradient_accumulation_steps  # loaded micro-batches a step
         self.per_process = cfg.batch_size // accelerator.num_processes
         self.loaded = self.per_process // self.steps  # samples a process in each of them
-        self.micro = self.loaded  # samples a forward pass: the loaded micro-batch or a divisor of it
-        self.kept: list = []
+        self.micro = self.loaded
 
-    def keep(self, batch) -> bool:
-        """Keep one of the step's micro-batches; True once the step's last is kept."""
-        self.kept.append(batch)
-        return len(self.kept) == self.steps
-
-    def step(self, model: torch.nn.Module, progress: Progress, observers: Observer) -> dict[str, torch.Tensor]:
-        """Forward and backward over the kept micro-batches on every process, then the agreement; the gradients
-        averaged over the processes once none ran out. The step's terms, as StepTerms gives them. Observers are told
-        of each halving."""
-        accelerator = self.accelerator
-        counted = accelerator.step  # Accelerate's count of micro-steps, which a redone step counts again
-        while True:
-            accelerator.step = counted
-            terms = self._forward_backward(model)  # None: this process ran out of memory
-            ran_out = processes_where(terms is None, accelerator, self.cfg.collective_timeout_s)
-            if not ran_out:
-                break
-            model.zero_grad(set_to_none=True)
-            terms = None
-            release_memory()  # what the failed passes left: gc, then the device's cache
-            observers.on_micro_batch_change(progress, self._halve(ran_out, progress.step + 1))
-        average_gradients(model, accelerator)
-        self.kept = []
-        return terms
-
-    def _forward_backward(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        accelerator, micro = self.accelerator, self.micro
-        step_terms = StepTerms(self.steps)
-        try:
-            for batch in self.kept:
-                size = find_batch_size(batch)
-                # accumulate: Accelerate's bookkeeping (backward divides by the steps; the optimizer and scheduler
-                # step after the last); no_sync: not even the last micro-batch all-reduces in backward.
-                with accelerator.accumulate(model), accelerator.no_sync(model):
-                    if micro >= size:
-                        terms = self.task.training_step(model, batch)
-                        accelerator.backward(terms["loss"])
-                    else:
-                        terms = {}
-                        for start in range(0, size, micro):
-                            share = min(micro, size - start) / size  # of the micro-batch's mean
-                            chunk = self.task.training_step(model, slice_tensors(batch, slice(start, start + micro)))
-                            accelerator.backward(chunk["loss"] * share)
-                            for name, value in chunk.items():
-                                terms[name] = terms.get(name, 0) + value.detach() * share
-                step_terms.add(terms)
-        except Exception as err:
-            if not ran_out_of_memory(err):
-                raise
-            return None
-        return step_terms.mean()
-
-    def _halve(self, ran_out: list[int], step: int) -> dict:
+    def halve(self, ran_out: list[int], step: int) -> dict:
+        """The next smaller size after `ran_out` processes ran out of memory at `step`, said in one warning; the
+        change, as observers are told of it. One line (UserError) when there is none smaller."""
         accelerator = self.accelerator
         smaller = max((size for size in divisors(self.loaded) if size <= self.micro // 2), default=0)
         who = named_processes(ran_out, accelerator.num_processes)
@@ -150,6 +88,63 @@ class AdaptiveMicroBatch:
                                    "memory with more")
 
 
+class AdaptiveStep:
+    """One optimizer step of micro_batch_size=auto: forward and backward over the step's micro-batches on every
+    process, then the agreement; the step redone with half the micro-batch whenever any process ran out of memory,
+    observers told of each halving; the gradients averaged over the processes once none ran out. Returns the step's
+    terms, as StepTerms gives them."""
+
+    def __init__(self, accelerator: Accelerator, task, size: MicroBatchSize, observers: Observer, state: State) -> None:
+        self.accelerator, self.task, self.size = accelerator, task, size
+        self.observers, self.state = observers, state
+        self.timeout_s = size.cfg.collective_timeout_s
+
+    def __call__(self, model: torch.nn.Module, micro_batches) -> dict[str, torch.Tensor]:
+        accelerator, step = self.accelerator, self.state.progress.step + 1
+        kept = list(micro_batches)  # loaded once, run again after a halving
+        counted = accelerator.step  # Accelerate's count of micro-steps, which a redone step counts again
+        while True:
+            accelerator.step = counted
+            terms = self._forward_backward(model, kept, step)  # None: this process ran out of memory
+            ran_out = processes_where(terms is None, accelerator, self.timeout_s)  # agreed by every process
+            if not ran_out:
+                break
+            model.zero_grad(set_to_none=True)
+            terms = None
+            release_memory()  # what the failed passes left: gc, then the device's cache
+            self.observers.on_micro_batch_change(self.state, self.size.halve(ran_out, step))
+        average_gradients(model, accelerator)
+        return terms
+
+    def _forward_backward(self, model: torch.nn.Module, kept: list, step: int) -> dict[str, torch.Tensor] | None:
+        accelerator, micro = self.accelerator, self.size.micro
+        step_terms = StepTerms(len(kept))
+        try:
+            for batch in kept:
+                size = find_batch_size(batch)
+                # accumulate: Accelerate's bookkeeping (backward divides by the steps; the optimizer and scheduler
+                # step after the last); no_sync: not even the last micro-batch all-reduces in backward.
+                with accelerator.accumulate(model), accelerator.no_sync(model):
+                    if micro >= size:
+                        terms = training_terms(self.task, model, batch, step)
+                        accelerator.backward(terms["loss"])
+                    else:
+                        terms = {}
+                        for start in range(0, size, micro):
+                            share = min(micro, size - start) / size  # of the micro-batch's mean
+                            chunk = training_terms(self.task, model, slice_tensors(batch, slice(start, start + micro)),
+                                                   step)
+                            accelerator.backward(chunk["loss"] * share)
+                            for name, value in chunk.items():
+                                terms[name] = terms.get(name, 0) + value.detach() * share
+                step_terms.add(terms)
+        except Exception as err:
+            if not ran_out_of_memory(err):
+                raise
+            return None
+        return step_terms.mean()
+
+
 class AdaptiveEval:
     """Evaluation under micro_batch_size=auto: an eval batch that runs out of memory on any process is evaluated again
     by every process in chunks of half as many samples, and so are the batches after it. The processes agree before
@@ -172,8 +167,8 @@ class AdaptiveEval:
         size = find_batch_size(batch)
         try:
             if self.chunk is None or self.chunk >= size:
-                return task.eval_step(model, batch)
-            return concatenate([task.eval_step(model, slice_tensors(batch, slice(start, start + self.chunk)))
+                return eval_outputs(task, model, batch)
+            return concatenate([eval_outputs(task, model, slice_tensors(batch, slice(start, start + self.chunk)))
                                 for start in range(0, size, self.chunk)])
         except Exception as err:
             if not ran_out_of_memory(err):
@@ -188,35 +183,3 @@ class AdaptiveEval:
             raise UserError(f"{what}, the smallest (train.micro_batch_size=auto); {SMALLER_MODEL}")
         self.chunk = current // 2
         warn(accelerator, f"{what}; evaluating {self.chunk} at a time from now on (the same metrics)")
-
-
-@contextmanager
-def out_of_memory_stops(accelerator: Accelerator, where: str, cfg: TrainConfig | None = None):
-    """Running out of device memory inside becomes one line (OutOfDeviceMemory, exit 2) saying what to change.
-    `where`: "micro-batch" (fixed by the config, or FSDP's), "optimizer step" (which no micro-batch helps), or
-    "evaluation" (`accel-train eval`, and training but with micro_batch_size=auto under DDP)."""
-    try:
-        yield
-    except Exception as err:
-        if not ran_out_of_memory(err):
-            raise
-        raise OutOfDeviceMemory(f"ran out of {accelerator.device.type} memory {_remedy(accelerator, where, cfg)}") \
-            from None
-
-
-def _remedy(accelerator: Accelerator, where: str, cfg: TrainConfig | None) -> str:
-    fsdp = shards_gradients(accelerator)
-    if where == "optimizer step":
-        return ("in the optimizer step, which a smaller micro-batch does not help (the optimizer's state and the "
-                "gradients do not depend on it); use a smaller model, an optimizer with less state "
-                "(train.optimizer=sgd), mixed precision, or FSDP")
-    if where == "evaluation":
-        return "evaluating; set a smaller train.eval_batch_size (the metrics do not depend on it)"
-    micro = cfg.batch_size // accelerator.num_processes // accelerator.gradient_accumulation_steps
-    if fsdp:
-        return (f"with {micro} sample(s) per micro-batch; under FSDP the micro-batch is not halved on the way (its "
-                "gradients are sharded: train.micro_batch_size=auto recovers under DDP only), so set a smaller "
-                "train.micro_batch_size")
-    return (f"with {micro} sample(s) per micro-batch, fixed by train.micro_batch_size or train.accumulation_steps; set "
-            "train.micro_batch_size=auto to go on with half the micro-batch whenever a step runs out (the same global "
-            "batch), or a smaller train.micro_batch_size")

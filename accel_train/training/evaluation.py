@@ -7,12 +7,14 @@ from collections.abc import Callable
 import torch
 
 from accel_train.config import Config
+from accel_train.data import build_dataset, hold_out_validation, make_loader
+from accel_train.distributed.accelerator import make_accelerator, round_up_to_world
 from accel_train.errors import UserError
-from accel_train.launch.distributed import make_accelerator, round_up_to_world
 from accel_train.run.weights import load_weights, read_weights, weights_file
-from accel_train.training.adaptive import AdaptiveEval, out_of_memory_stops
+from accel_train.training.adaptive import AdaptiveEval
 from accel_train.training.ema import WeightsEMA
-from accel_train.workloads.data import build_dataset, hold_out_validation, make_loader
+from accel_train.training.memory import out_of_memory_stops
+from accel_train.training.steps import eval_outputs
 from accel_train.workloads.tasks import Task, task_named
 
 
@@ -29,7 +31,7 @@ def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None,
         on_batch()
         # the EMA's module is not prepared, so not autocast by Accelerate
         with accelerator.autocast(), out_of_memory_stops(accelerator, "evaluation"):
-            outputs = adaptive.eval_step(task, model, batch) if adaptive else task.eval_step(model, batch)
+            outputs = adaptive.eval_step(task, model, batch) if adaptive else eval_outputs(task, model, batch)
             metric.add_batch(**accelerator.gather_for_metrics(outputs))  # after the processes agreed (adaptive)
     metrics = metric.compute()
     if ema is None:

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 from accel_train.console import warn
 from accel_train.errors import NonFiniteError
-from accel_train.run.observers import Progress
+from accel_train.state import Progress
 
 
 def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | None:

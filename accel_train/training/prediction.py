@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import Dataset
 
 from accel_train.config import Config
+from accel_train.data import Data, image_converter, load_image, make_loader
+from accel_train.distributed.accelerator import make_accelerator
 from accel_train.errors import DataNotFoundError, writing
-from accel_train.launch.distributed import make_accelerator
 from accel_train.run.weights import class_names, load_weights, read_weights, weights_file
-from accel_train.workloads.data import Data, image_converter, load_image, make_loader
 from accel_train.workloads.tasks import Task, task_named
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

@@ -16,8 +16,8 @@ import torch
 from accelerate import Accelerator
 
 from accel_train.config import Config
+from accel_train.distributed.collectives import any_process
 from accel_train.errors import UserError
-from accel_train.launch.distributed import any_process
 from accel_train.run.layout import BEST_FILE
 from accel_train.run.weights import export
 

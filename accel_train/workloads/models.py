@@ -11,7 +11,7 @@ from torch import nn
 from accel_train.config import ModelConfig
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 from accel_train.import_paths import check_call, import_object, is_given_object, is_import_path
-from accel_train.workloads.registry import Registry
+from accel_train.registry import Registry
 
 MODELS: Registry[nn.Module] = Registry("model", "model.name")
 

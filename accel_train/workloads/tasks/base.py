@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from accel_train.config import Config
+from accel_train.data import Data
 from accel_train.errors import UserError
 from accel_train.import_paths import import_object, is_import_path
-from accel_train.workloads.data import Data
-from accel_train.workloads.registry import Registry
+from accel_train.registry import Registry
 
 REQUIRED = ("training_step", "eval_step", "new_metric")
 
@@ -27,7 +27,7 @@ class Task:
     def check_config(self, config: Config) -> None:
         """Before any data loads: reject names and import paths this task cannot build, and resolve what the
         config leaves to them (the pretrained weights' normalisation)."""
-        from accel_train.workloads.data import check_data_name
+        from accel_train.data import check_data_name
         from accel_train.workloads.models import check_model, weights_normalization
 
         check_data_name(config.data)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from accel_train.config import Config
+from accel_train.data import Data
 from accel_train.errors import UserError
-from accel_train.workloads.data import Data
 from accel_train.workloads.mixing import BatchMixer
 from accel_train.workloads.tasks.base import TASKS, Task, WithComputeArgs
 

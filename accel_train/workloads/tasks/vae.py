@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel_train.config import Config, ModelConfig
+from accel_train.data import Data
 from accel_train.errors import UserError, writing
 from accel_train.import_paths import is_import_path
-from accel_train.run.observers import Observer, Progress
-from accel_train.workloads.data import Data
-from accel_train.workloads.registry import Registry
+from accel_train.registry import Registry
+from accel_train.state import Observer, State
 from accel_train.workloads.tasks.base import TASKS, Task, WithComputeArgs
 
 VAE_MODELS: Registry[nn.Module] = Registry("VAE model", "model.name")
@@ -82,7 +82,7 @@ class VAETask(Task):
     pictures: dict | None = None
 
     def check_config(self, config: Config) -> None:
-        from accel_train.workloads.data import check_data_name
+        from accel_train.data import check_data_name
         from accel_train.workloads.models import check_model
 
         check_data_name(config.data)
@@ -148,7 +148,7 @@ class VAEPictures(Observer):
     def __init__(self, task: VAETask, output_dir: str) -> None:
         self.task, self.folder = task, Path(output_dir) / "images"
 
-    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
+    def on_eval(self, state: State, metrics: dict, split: str) -> None:
         from torchvision.utils import save_image
 
         pictures = self.task.pictures
@@ -157,9 +157,10 @@ class VAEPictures(Observer):
         columns = min(self.columns, len(pictures["inputs"]))
         with writing(self.folder, "drawing the VAE's pictures"):
             self.folder.mkdir(parents=True, exist_ok=True)
+            step = state.progress.step
             save_image(pairs_of_rows(pictures["inputs"], pictures["reconstructions"], columns),
-                       self.folder / f"reconstructions_step{progress.step:06d}.png", nrow=columns, pad_value=1.0)
-            save_image(pictures["samples"], self.folder / f"samples_step{progress.step:06d}.png", nrow=self.columns,
+                       self.folder / f"reconstructions_step{step:06d}.png", nrow=columns, pad_value=1.0)
+            save_image(pictures["samples"], self.folder / f"samples_step{step:06d}.png", nrow=self.columns,
                        pad_value=1.0)
 
 

@@ -10,13 +10,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from accel_train.config import Config, save_config
+from accel_train.config import CONFIG_FILE, Config, save_config
+from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import UserError, storage_error, writing
-from accel_train.launch.settings import launcher_restarts
-from accel_train.run.checkpoint import ResumePoint
 from accel_train.run.layout import (
     CLASSES_FILE,
-    CONFIG_FILE,
     CURVES_FILE,
     METRICS_FILE,
     MICRO_BATCH_CHANGE,
@@ -24,8 +22,7 @@ from accel_train.run.layout import (
     checkpoints_dir,
     held_results,
 )
-from accel_train.run.observers import Observer
-from accel_train.run.progress import Progress
+from accel_train.state import Observer, Progress, ResumePoint, State
 
 
 def check_output_dir(config: Config) -> None:
@@ -49,7 +46,7 @@ def check_output_dir(config: Config) -> None:
     if held and not continues:
         how = "add resume=auto to continue it" if config.resume is None else \
             f"resume={config.resume} is not one of its checkpoints, so its results would be overwritten"
-        if launcher_restarts()[0]:
+        if launcher_environment().restart:
             raise UserError(f"the launcher restarted the processes after a failure (--max_restarts), but resume is not "
                             f"auto, so this restart would overwrite output_dir={config.output_dir}: launch with "
                             "resume=auto so that restarts continue from the newest checkpoint")
@@ -94,55 +91,46 @@ class RunFolder(Observer):
     every halving of the micro-batch after running out of memory (micro_batch_size=auto).
     """
 
-    def __init__(self, config: Config, launch_info: dict, start: ResumePoint, classes: list[str] | None) -> None:
-        self.config, self.launch_info, self.start, self.classes = config, launch_info, start, classes
+    def on_train_start(self, state: State) -> None:
+        config, start = state.config, state.start
         self.folder = Path(config.output_dir)
-
-    def on_train_start(self, progress: Progress) -> None:
         path = self.folder / METRICS_FILE
         started, host = now(), socket.gethostname()
         with writing(self.folder, "writing config.yaml and metrics.jsonl"):
-            save_config(self.config, self.folder / CONFIG_FILE,
-                        {"started": started, "host": host, "command": command_line(), **self.launch_info})
-            if self.classes is not None:
-                (self.folder / CLASSES_FILE).write_text(json.dumps(self.classes, indent=1) + "\n")
-            continued = self.start.in_output_dir and path.is_file()
+            save_config(config, self.folder / CONFIG_FILE,
+                        {"started": started, "host": host, "command": command_line(), **state.launch})
+            if state.data.classes is not None:
+                (self.folder / CLASSES_FILE).write_text(json.dumps(state.data.classes, indent=1) + "\n")
+            continued = start.in_output_dir and path.is_file()
             if continued:
-                path.write_text("".join(lines_up_to(path.read_text().splitlines(keepends=True), self.start)))
+                path.write_text("".join(lines_up_to(path.read_text().splitlines(keepends=True), start)))
             self.metrics = open(path, "a" if continued else "w", buffering=1)
-            restart, _ = launcher_restarts()
-            start = {"time": started, "host": host, "step": progress.step,
-                     "world_size": self.launch_info["world_size"], "launcher_restart": restart,
-                     "checkpoint_world_size": self.start.saved_world_size,
-                     "micro_batch_size": self._micro_batch_size()}
+            line = {"time": started, "host": host, "step": state.progress.step,
+                    "world_size": state.launch["world_size"], "launcher_restart": state.restart[0],
+                    "checkpoint_world_size": start.saved_world_size,
+                    "micro_batch_size": micro_batch_size(config, state.launch["world_size"])}
             # History is kept wherever the run continues, even when no checkpoint was there to resume from.
-            keep = self.start.in_output_dir or self.config.resume == "auto"
+            keep = start.in_output_dir or config.resume == "auto"
             with open(self.folder / STARTS_FILE, "a" if keep else "w") as starts:
-                starts.write(json.dumps(start) + "\n")
+                starts.write(json.dumps(line) + "\n")
 
-    def _micro_batch_size(self) -> int:
-        """Samples a process per forward pass: as given, as micro_batch_size=auto found it or a resume restored it, or
-        from the accumulation steps."""
-        train = self.config.train
-        if isinstance(train.micro_batch_size, int):
-            return train.micro_batch_size
-        return train.batch_size // self.launch_info["world_size"] // train.accumulation_steps
+    def on_log(self, state: State, logs: dict) -> None:
+        self._write({"split": "train", "epoch": state.progress.epoch, "step": state.progress.step, **logs},
+                    state.progress)
 
-    def on_log(self, progress: Progress, logs: dict) -> None:
-        self._write({"split": "train", "epoch": progress.epoch, "step": progress.step, **logs}, progress)
-
-    def on_micro_batch_change(self, progress: Progress, change: dict) -> None:
+    def on_micro_batch_change(self, state: State, change: dict) -> None:
         with writing(self.folder / STARTS_FILE, "writing starts.jsonl"), open(self.folder / STARTS_FILE, "a") as starts:
             starts.write(json.dumps({"time": now(), **change, "event": MICRO_BATCH_CHANGE}) + "\n")
 
-    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        self._write({"split": split, "epoch": progress.epoch, "step": progress.step, **metrics}, progress)
+    def on_eval(self, state: State, metrics: dict, split: str) -> None:
+        self._write({"split": split, "epoch": state.progress.epoch, "step": state.progress.step, **metrics},
+                    state.progress)
 
-    def on_train_end(self, progress: Progress) -> None:
+    def on_train_end(self, state: State) -> None:
         from accel_train.run.plots import plot_runs
 
         self.metrics.close()
-        if not self.config.train.plot:
+        if not state.config.train.plot:
             return
         with writing(self.folder / CURVES_FILE, "drawing curves.png"):
             plot_runs([self.folder], self.folder / CURVES_FILE, [self.folder.name])
@@ -152,3 +140,12 @@ class RunFolder(Observer):
         when = {"time": now(), "elapsed_s": round(progress.elapsed_s(), 3)}
         with writing(self.metrics.name, "writing metrics.jsonl"):
             self.metrics.write(json.dumps({**line, **when}) + "\n")
+
+
+def micro_batch_size(config: Config, world_size: int) -> int:
+    """Samples a process per forward pass: as given, as micro_batch_size=auto found it or a resume restored it, or
+    from the accumulation steps."""
+    train = config.train
+    if isinstance(train.micro_batch_size, int):
+        return train.micro_batch_size
+    return train.batch_size // world_size // train.accumulation_steps

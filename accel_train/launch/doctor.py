@@ -13,17 +13,13 @@ import socket
 import time
 from pathlib import Path
 
+from accel_train.distributed.devices import cpu_has_bf16, visible_devices
+from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import UserError
-from accel_train.installed import cpu_has_bf16, find_profile, list_profiles, version_problems, versions, visible_devices
+from accel_train.launch.profiles import find_profile, list_profiles
 from accel_train.launch.rendezvous import store_answers
-from accel_train.launch.settings import (
-    Launch,
-    Report,
-    check_addressing,
-    launcher_ranks,
-    launcher_world_size,
-    resolve_launch,
-)
+from accel_train.launch.settings import Launch, Report, check_addressing, resolve_launch
+from accel_train.versions import version_problems, versions
 
 PROBLEM_EXIT_CODE = 1
 
@@ -171,7 +167,7 @@ def check_process_group(timeout: float, report: Report) -> None:
     """Under a launcher: form the group exactly as training does and sum one number across it."""
     import torch
 
-    from accel_train.launch.distributed import make_accelerator
+    from accel_train.distributed.accelerator import make_accelerator
 
     started = time.perf_counter()
     try:
@@ -183,7 +179,7 @@ def check_process_group(timeout: float, report: Report) -> None:
         report.problem(f"the process group did not form ({type(err).__name__}: {detail}); "
                        "see the interface and main process lines above")
         return
-    expected = launcher_world_size()
+    expected = launcher_environment().world_size
     if joined != expected:
         report.problem(f"{joined} processes joined but the launcher asked for {expected}")
     else:
@@ -193,7 +189,6 @@ def check_process_group(timeout: float, report: Report) -> None:
 
 
 def run(args) -> int:
-
     report = Report()
     if args.config_file and not Path(args.config_file).exists():  # a shipped profile's name, or a mistake
         profile = None if "/" in args.config_file else find_profile(args.config_file)
@@ -202,7 +197,7 @@ def run(args) -> int:
                             f"({', '.join(list_profiles())})")
         args.config_file = str(profile)
     launch = resolve_launch(args, report)
-    rank, local_rank = launcher_ranks()
+    launcher = launcher_environment()
     where = f"machine {launch.machine_rank} of {launch.num_machines}" if launch.num_machines > 1 else "single machine"
     report.info("node", f"{socket.gethostname()} ({where}{', under a launcher' if launch.under_launcher else ''})")
     if launch.under_launcher:  # the file the launcher read is not visible here; its settings are
@@ -221,8 +216,8 @@ def run(args) -> int:
         check_multi_node(launch, device, args.timeout, report)
     if launch.under_launcher:
         check_process_group(args.timeout, report)
-    if local_rank == 0 or report.problems:  # one report per node; any process with a problem speaks
-        prefix = f"[rank {rank}] " if launch.under_launcher else ""
+    if launcher.local_rank == 0 or report.problems:  # one report per node; any process with a problem speaks
+        prefix = f"[rank {launcher.rank}] " if launch.under_launcher else ""
         out = [f"{prefix}{topic:18s} {text}" for topic, text in report.lines]
         out += [f"{prefix}problem: {text}" for text in report.problems]
         out.append(f"{prefix}{len(report.problems)} problem(s): a launch with these settings would fail"

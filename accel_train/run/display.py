@@ -1,72 +1,16 @@
-"""Observers: what watches a run on the main process (console, run folder, pictures, trackers).
-
-They are told what happened at the loop's named points and never change what the run computes or decides:
-every decision all processes must share (save, stop, evaluate) is a call in loop.py, so the order of
-observers does not matter.
-"""
+"""What a person watching a run sees on the main process: a progress bar (or progress lines without a terminal),
+a line per evaluation and checkpoint, one warning when the steps wait for data, and a summary at the end."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from accel_train.console import say
-from accel_train.run.progress import Progress
-from accel_train.run.records import across_world_sizes, duration, ran_out, summarize
-
-
-class Observer:
-    def on_train_start(self, progress: Progress) -> None: ...
-    def on_log(self, progress: Progress, logs: dict) -> None: ...
-    def on_step_end(self, progress: Progress) -> None: ...
-    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None: ...  # split: val or test
-    # micro_batch_size=auto halved the micro-batch: {step, from, to, processes} (the processes that ran out of memory)
-    def on_micro_batch_change(self, progress: Progress, change: dict) -> None: ...
-    def on_train_end(self, progress: Progress) -> None: ...
-    def close(self) -> None: ...  # the run ended, finished or stopped (a signal, an error): before its last line
-
-
-class Observers(Observer):
-    """Tells every observer, in any order; `with observers:` closes them however training ends."""
-
-    def __init__(self, observers: Sequence[Observer]) -> None:
-        self.observers = list(observers)
-
-    def on_train_start(self, progress: Progress) -> None:
-        for observer in self.observers:
-            observer.on_train_start(progress)
-
-    def on_log(self, progress: Progress, logs: dict) -> None:
-        for observer in self.observers:
-            observer.on_log(progress, logs)
-
-    def on_step_end(self, progress: Progress) -> None:
-        for observer in self.observers:
-            observer.on_step_end(progress)
-
-    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        for observer in self.observers:
-            observer.on_eval(progress, metrics, split)
-
-    def on_micro_batch_change(self, progress: Progress, change: dict) -> None:
-        for observer in self.observers:
-            observer.on_micro_batch_change(progress, change)
-
-    def on_train_end(self, progress: Progress) -> None:
-        for observer in self.observers:
-            observer.on_train_end(progress)
-
-    def close(self) -> None:
-        for observer in self.observers:
-            observer.close()
-
-    def __enter__(self) -> Observers:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
+from accel_train.data import slow_input_advice
+from accel_train.run.layout import results_of, trackers_dir
+from accel_train.run.summaries import duration, ran_out, summarize
+from accel_train.state import Observer, Progress, State, across_world_sizes
 
 SLOW_INPUT_SHARE = 0.3  # a train line whose data_wait is above this says which knob feeds the steps faster
 
@@ -74,22 +18,21 @@ SLOW_INPUT_SHARE = 0.3  # a train line whose data_wait is above this says which 
 class Console(Observer):
     """A tqdm bar over optimizer steps (epoch, loss, lr, samples/s), one line per evaluation, a summary at the end.
 
-    Where stderr is not a terminal (CI, SLURM logs) there is no bar; one progress line every `progress_every_s`
+    Where stderr is not a terminal (CI, SLURM logs) there is no bar; one progress line every train.progress_every_s
     seconds takes its place. The loss shown is the latest train line's: the console never reads the device.
     """
 
-    def __init__(self, headline: str, output_dir: str, progress_bar: bool, progress_every_s: float,
-                 files: list[str], watch: str | None = None, slow_input: str = "") -> None:
-        self.headline, self.output_dir, self.files, self.watch = headline, output_dir, files, watch
-        self.progress_bar, self.progress_every_s = progress_bar, progress_every_s
+    def __init__(self) -> None:
         self.bar, self.latest, self.epoch_shown = None, {}, None
-        self.slow_input, self.said_slow_input = slow_input, False  # the knob for this data path, said once
+        self.said_slow_input = False  # the knob for this data path is said once
 
-    def on_train_start(self, progress: Progress) -> None:
+    def on_train_start(self, state: State) -> None:
         from tqdm.auto import tqdm
 
-        print(f"{self.headline}, {progress.total_steps} steps", flush=True)
-        if self.progress_bar:
+        progress, train = state.progress, state.config.train
+        self.progress_every_s = train.progress_every_s
+        print(f"{headline(state)}, {progress.total_steps} steps", flush=True)
+        if train.progress_bar:
             # disable=None: no bar when stderr is not a terminal; the progress lines below take its place.
             self.epoch_shown = progress.step // progress.steps_per_epoch
             self.bar = tqdm(total=progress.total_steps, initial=progress.step, unit="step", dynamic_ncols=True,
@@ -101,16 +44,18 @@ class Console(Observer):
         self.clock = self.printed_at = time.perf_counter()
         self.first_step = progress.step
 
-    def on_log(self, progress: Progress, logs: dict) -> None:
+    def on_log(self, state: State, logs: dict) -> None:
         self.latest = logs
         if self.bar is not None:
             self.bar.set_postfix_str(progress_terms(logs), refresh=False)
         if logs.get("data_wait", 0.0) > SLOW_INPUT_SHARE and not self.said_slow_input:
             self.said_slow_input = True
-            say(f"accel-train: warning: {logs['data_wait']:.0%} of the training time up to step {progress.step} was "
-                f"spent waiting for data (data_wait in metrics.jsonl); {self.slow_input}", error=True)
+            say(f"accel-train: warning: {logs['data_wait']:.0%} of the training time up to step {state.progress.step} "
+                f"was spent waiting for data (data_wait in metrics.jsonl); "
+                f"{slow_input_advice(state.config.data, state.data)}", error=True)
 
-    def on_step_end(self, progress: Progress) -> None:
+    def on_step_end(self, state: State) -> None:
+        progress = state.progress
         if self.bar is not None:
             if self.epoch_shown != progress.epoch:
                 self.epoch_shown = progress.epoch
@@ -129,18 +74,42 @@ class Console(Observer):
                 f"({100 * progress.step / progress.total_steps:.0f}%){', ' + terms if terms else ''}; "
                 f"{duration(progress.elapsed_s())} elapsed, {duration(left)} left")
 
-    def on_eval(self, progress: Progress, metrics: dict, split: str) -> None:
-        say(f"epoch {progress.epoch} step {progress.step} {split}: {shown(metrics)}")
+    def on_eval(self, state: State, metrics: dict, split: str) -> None:
+        say(f"epoch {state.progress.epoch} step {state.progress.step} {split}: {shown(metrics)}")
 
-    def on_train_end(self, progress: Progress) -> None:
+    def on_train_end(self, state: State) -> None:
         self.close()
-        print(summary_block(summarize(Path(self.output_dir)), self.files, self.watch), flush=True)
+        print(summary_block(summarize(Path(state.config.output_dir)), results(state), watch(state)), flush=True)
 
     def close(self) -> None:
         """The bar is left as it stands, and what follows (the summary, a stop or error line) starts a line."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def headline(state: State) -> str:
+    """What is trained, on what, by how many processes, where; a resume at another world size; a restart."""
+    config, launch = state.config, state.launch
+    change = state.start.world_size_change(launch["world_size"])
+    restart, max_restarts = state.restart
+    return (f"training {config.model.name} on {config.data.name}: {launch['world_size']} process(es), "
+            f"{f'{change}, ' if change else ''}{launch['device']}, mixed precision {launch['mixed_precision']}"
+            f"{f', restart {restart} of at most {max_restarts} by the launcher' if restart else ''}")
+
+
+def results(state: State) -> list[str]:
+    """The files the finished run leaves in its output_dir."""
+    config = state.config
+    return results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
+                      curves=config.train.plot, classes=state.data.classes is not None,
+                      checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
+                      tracking=bool(state.trackers))
+
+
+def watch(state: State) -> str | None:
+    """How to watch the run's curves live, where a tracker offers a command for it."""
+    return f"tensorboard --logdir {trackers_dir(state.config.output_dir)}" if "tensorboard" in state.trackers else None
 
 
 def leaving_room_for_an_echo(terminal_size):

@@ -79,11 +79,6 @@ def ran_out(processes: list[int], world_size: int | None) -> str:
     return "ran out of memory" if world_size == 1 else f"{named_processes(processes, world_size)} ran out of memory"
 
 
-def across_world_sizes(world_size: int, checkpoint_world_size: int) -> str:
-    """How the start line and the summary say a resume at another world size."""
-    return f"at {world_size} process(es) from a checkpoint of {checkpoint_world_size}"
-
-
 def training_throughput(train_lines: list[dict], batch_size: int | None) -> tuple[float | None, float | None]:
     """Samples per second over the whole run, evaluation and checkpoint time left out: every train line's rate
     weighted by the steps it covers (the total samples over the total time); and the share of that time spent

@@ -30,10 +30,15 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from accel_train import hooks
 from accel_train.console import say
+from accel_train.distributed.environment import host_name
 from accel_train.errors import Stuck
-from accel_train.launch.settings import host_name
-from accel_train.run.layout import STUCK_RECORD_FILE, STUCK_REPORT_FILE, STUCK_STACKS_FILE
+
+STUCK_DIR = "stuck"  # in the run folder
+STUCK_STACKS_FILE = "process-{process}.txt"  # faulthandler's dump of every thread of that process
+STUCK_RECORD_FILE = "process-{process}.json"  # where it was: phase, step, innermost frame, waiting in a collective
+STUCK_REPORT_FILE = "report.json"  # the main process's line; the others end once it is there
 
 TRAINING, EVALUATION = "training", "evaluation"
 ANSWER_S = 2.0  # beyond the longest stretch between marks seen: how long the main process waits for the others' records
@@ -137,7 +142,8 @@ class Watchdog:
             say(f"accel-train: process {process}: {where(record)}; no progress for more than {self.bound:g} s "
                 f"(train.stuck_after_s) and the main process did not report; stacks in "
                 f"{self.folder / record['stacks']}", error=True, nolock=True)
-        end_process(Stuck.exit_code)
+        if hooks.every().process_ends(Stuck.exit_code):
+            end_process(Stuck.exit_code)
 
     def _record(self, process: int) -> dict:
         """Write this process's stacks, then its record; the record, which says where its main thread is."""

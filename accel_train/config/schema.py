@@ -1,0 +1,302 @@
+"""The run configuration's schema: a tree of typed dataclasses, each key with its one-line meaning, default and
+the range its values must keep, declared on the field itself; and what the keys mean together (cross-key rules).
+
+Kept free of torch imports so `accel-train --help` and config errors answer instantly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from accel_train.errors import UserError
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take; a value outside is refused when the config is loaded, naming the key."""
+
+    holds: Callable[[float], bool]
+    text: str  # what the value must be, e.g. "must be greater than 0"
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not self.holds(value):
+            raise UserError(f"{key}: {self.text}, got {value}")
+
+
+POSITIVE = Range(lambda value: value > 0, "must be greater than 0")
+NON_NEGATIVE = Range(lambda value: value >= 0, "must be 0 or more")
+PROBABILITY = Range(lambda value: 0 <= value <= 1, "a probability, must be between 0 and 1")
+FRACTION = Range(lambda value: 0 <= value < 1, "must be at least 0 and below 1 (e.g. 0.1)")
+OPEN_UNIT = Range(lambda value: 0 < value < 1, "must be between 0 and 1 (e.g. 0.999)")
+BELOW_ONE = Range(lambda value: value < 1, "must be below 1")
+
+
+def doc(text: str, within: Range | tuple[Range, ...] = (), **kwargs: Any) -> Any:
+    """A field with a one-line description (shown in errors and `accel-train keys`) and the ranges its values keep."""
+    return field(metadata={"help": text, "within": within if isinstance(within, tuple) else (within,)}, **kwargs)
+
+
+@dataclass
+class DataConfig:
+    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder; or an import path "
+                    "module:function returning a torch Dataset (called with train=True/False and data.args)",
+                    default="fashion_mnist")
+    args: dict[str, Any] = doc("keyword arguments for a dataset given by import path", default_factory=dict)
+    num_classes: int | None = doc("classes of a dataset given by import path (unset: len(dataset.classes))",
+                                  default=None, within=POSITIVE)
+    root: str = doc("folder holding (or receiving) the dataset files", default="data")
+    train_subset: int | None = doc("train on the first N samples only (same N at any world size)",
+                                   default=None, within=POSITIVE)
+    eval_subset: int | None = doc("evaluate on the first N samples only (same N at any world size)",
+                                  default=None, within=POSITIVE)
+    download: bool = doc("let torchvision download the dataset when no local copy exists", default=True)
+    synthetic: bool = doc("replace the dataset by torchvision FakeData of the same shape (smoke tests)", default=False)
+    augment: bool = doc("random crop + horizontal flip on training images", default=False)
+    trivial_augment: bool = doc("file-backed data (imagefolder, data.on_device=false): torchvision's "
+                                "TrivialAugmentWide on training images", default=False)
+    random_erasing: float = doc("file-backed data: probability of torchvision's RandomErasing on a training image "
+                                "(0 = off)", default=0.0, within=PROBABILITY)
+    val_fraction: float = doc("hold out this fraction of the training set as the validation split, chosen by seed "
+                              "(0 = none; ImageFolder's own val/ beside test/ is used as it is)",
+                              default=0.0, within=FRACTION)
+    normalize: bool = doc("standardise pixels by the dataset's mean and std (false: raw values in [0, 1], as a VAE "
+                          "needs)", default=True)
+    mean: list[float] | None = doc("per-channel mean for normalize (unset: the dataset's own, or with "
+                                   "model.pretrained the weights' own)", default=None)
+    std: list[float] | None = doc("per-channel standard deviation for normalize (unset: as data.mean)", default=None)
+    image_size: int | None = doc("resize images to this side length (STL-10, ImageFolder)",
+                                 default=None, within=POSITIVE)
+    num_workers: int | Literal["auto"] = doc("DataLoader worker processes per process (file-backed datasets); auto: "
+                                             "the CPU cores this machine has per process, at most 8",
+                                             default="auto", within=NON_NEGATIVE)
+    on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "
+                          "batches there (false = per-sample torchvision transforms in DataLoader workers)",
+                          default=True)
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("mnist_cnn, bn_cnn, or any torchvision classification model name (resnet18, vgg16, ...); "
+                    "conv_vae for task=vae; or an import path module:Attr (a class or function returning an "
+                    "nn.Module, called with num_classes and image_shape where it takes them, and model.args)",
+                    default="mnist_cnn")
+    args: dict[str, Any] = doc("keyword arguments for a model given by import path", default_factory=dict)
+    pretrained: bool = doc("torchvision models: start from torchvision's default pretrained weights (from TORCH_HOME's "
+                           "cache, or downloaded) with a new head for the data's classes and the weights' "
+                           "normalisation", default=False)
+    freeze_backbone: bool = doc("train only the new classification head of a pretrained model (linear probing)",
+                                default=False)
+    dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
+    sync_batchnorm: bool = doc("synchronise BatchNorm statistics across GPUs", default=False)
+    latent_size: int = doc("VAE: dimensions of the latent code z", default=16, within=POSITIVE)
+    hidden_size: int = doc("VAE: width of the fully connected layer between the convolutions and z",
+                           default=256, within=POSITIVE)
+    beta: float = doc("VAE: weight of the KL term in the loss (1 = the negative ELBO; beta-VAE otherwise)",
+                      default=1.0, within=NON_NEGATIVE)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = doc("passes over the training set", default=1, within=POSITIVE)
+    max_steps: int | None = doc("stop after this many optimizer steps (unset = no limit)",
+                                default=None, within=POSITIVE)
+    batch_size: int = doc("GLOBAL batch size per optimizer step, split across processes and accumulation steps: "
+                          "same optimization at any world size", default=64, within=POSITIVE)
+    accumulation_steps: int = doc("micro-batches whose gradients add up to one optimizer step (each process takes "
+                                  "batch_size / (processes x accumulation_steps) samples per micro-batch)",
+                                  default=1, within=POSITIVE)
+    micro_batch_size: int | Literal["auto"] | None = doc(
+        "samples per process per micro-batch; accumulation fills up batch_size (unset: batch_size / (processes x "
+        "accumulation_steps); auto: the largest that fits in device memory, found before training and halved "
+        "whenever a step runs out of memory)", default=None, within=POSITIVE)
+    eval_batch_size: int = doc("global batch size for evaluation (does not change results)",
+                               default=1000, within=POSITIVE)
+    lr: float = doc("peak learning rate (computed from lr_base when that is set)", default=1e-3, within=POSITIVE)
+    lr_base: float | None = doc("peak learning rate for a global batch of lr_base_batch samples: train.lr is computed "
+                                "from it and train.batch_size by lr_scale (timm's --lr-base; unset = train.lr as "
+                                "given)", default=None, within=POSITIVE)
+    lr_base_batch: int = doc("the global batch size lr_base is given for", default=256, within=POSITIVE)
+    lr_scale: Literal["linear", "sqrt"] = doc("how lr_base scales with the global batch: linear, lr = lr_base x "
+                                              "batch_size / lr_base_batch; sqrt, lr = lr_base x sqrt(batch_size / "
+                                              "lr_base_batch)", default="linear")
+    optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
+    weight_decay: float = doc("decoupled weight decay (adamw) or L2 penalty (adam, sgd)",
+                              default=0.01, within=NON_NEGATIVE)
+    decay_norm_and_bias: bool = doc("apply weight decay to biases and normalisation weights too (false: timm's "
+                                    "convention, decay only on weights of 2 or more dimensions)", default=False)
+    ema_decay: float | None = doc("keep an exponential moving average of the weights with this decay per optimizer "
+                                  "step (e.g. 0.999): evaluated under the plain metric names, the raw model under "
+                                  "raw_*, exported as model_ema.safetensors (unset = off)",
+                                  default=None, within=OPEN_UNIT)
+    label_smoothing: float = doc("classification: cross-entropy's label smoothing for training (0 = off; eval "
+                                 "loss stays plain cross-entropy)", default=0.0, within=(NON_NEGATIVE, BELOW_ONE))
+    mixup_alpha: float = doc("classification: MixUp with Beta(alpha, alpha) mixing weights (0 = off; e.g. 0.2)",
+                             default=0.0, within=NON_NEGATIVE)
+    cutmix_alpha: float = doc("classification: CutMix with Beta(alpha, alpha) box areas (0 = off; e.g. 1.0)",
+                              default=0.0, within=NON_NEGATIVE)
+    mix_prob: float = doc("probability that a batch is mixed at all (MixUp / CutMix)", default=1.0, within=PROBABILITY)
+    mix_switch_prob: float = doc("with both MixUp and CutMix on: probability that a mixed batch uses CutMix",
+                                 default=0.5, within=PROBABILITY)
+    momentum: float = doc("SGD momentum", default=0.9, within=NON_NEGATIVE)
+    schedule: Literal["constant", "step", "exponential", "cosine"] = doc("learning-rate schedule", default="constant")
+    lr_gamma: float = doc("LR factor per decay (step: every lr_step_epochs epochs; exponential: per epoch)",
+                          default=0.1, within=NON_NEGATIVE)
+    lr_step_epochs: int = doc("epochs between step decays", default=1, within=POSITIVE)
+    warmup_steps: int = doc("linear warmup over this many optimizer steps", default=0, within=NON_NEGATIVE)
+    clip_grad_norm: float = doc("clip the global gradient norm to this value before each step (0 = off)",
+                                default=0.0, within=NON_NEGATIVE)
+    on_nonfinite: Literal["stop", "skip"] = doc(
+        "when the loss or gradient norm is NaN/inf on any process: stop every process (exit 5) or skip that step",
+        default="stop")
+    eval_every_steps: int | None = doc("also evaluate (on the validation split) every N optimizer steps, not only "
+                                       "at each epoch end (unset = epoch ends only)", default=None, within=POSITIVE)
+    early_stop_patience: int | None = doc("stop training after this many evaluations in a row without improvement "
+                                          "of early_stop_metric; every process stops at the same step and saves a "
+                                          "checkpoint (unset = off)", default=None, within=POSITIVE)
+    early_stop_metric: str | None = doc("eval metric early stopping watches (unset: checkpoint.best_metric)",
+                                        default=None)
+    early_stop_mode: Literal["max", "min"] | None = doc("whether higher (max) or lower (min) early_stop_metric is "
+                                                        "better (unset: checkpoint.best_mode)", default=None)
+    early_stop_min_delta: float = doc("an improvement smaller than this does not count as one",
+                                      default=0.0, within=NON_NEGATIVE)
+    log_every_steps: int | None = doc("write a train line to metrics.jsonl every N optimizer steps (unset: every "
+                                      "50, or every tenth of a shorter run so that it still gets 10 lines)",
+                                      default=None, within=POSITIVE)
+    progress_bar: bool = doc("show a tqdm progress bar on the main process (when stderr is a terminal)", default=True)
+    progress_every_s: float = doc("without a bar (logs that are not a terminal: CI, SLURM), print one progress line "
+                                  "every N seconds (0 = none)", default=30.0, within=NON_NEGATIVE)
+    plot: bool = doc("draw curves.png into output_dir when the run ends (1.2 to 1.8 s of matplotlib on a 2-core CPU, "
+                     "which a sweep of short runs may skip; accel-train plot RUN draws it at any time)", default=True)
+    log_with: Literal["auto", "none", "tensorboard", "wandb", "mlflow", "aim"] = doc(
+        "experiment tracker fed through Accelerate with the metrics.jsonl scalars and the config (auto: tensorboard "
+        "when installed, else none); local files go to output_dir/trackers/", default="auto")
+    collective_timeout_s: int = doc("seconds a process waits for the others in a collective before the job fails "
+                                    "(bounds the hang when a worker dies)", default=600, within=POSITIVE)
+    stuck_after_s: float | None = doc(
+        "seconds without a micro-batch of training or evaluation (saves, exports and each start's first step not "
+        "timed) after which every process writes its stacks to output_dir/stuck/ and the main process names the "
+        "stopped ones in one line, exit 6; below collective_timeout_s (unset: half of it; 0 = off)",
+                                      default=None, within=NON_NEGATIVE)
+    compile: bool = doc("torch.compile the model (exported weights are unaffected)", default=False)
+    channels_last: bool = doc("channels_last memory format for conv nets (faster convolutions on GPU)", default=False)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int | None = doc("save a checkpoint every N optimizer steps (unset = only at epoch ends)",
+                                  default=None, within=POSITIVE)
+    at_epoch_end: bool = doc("save a checkpoint after each epoch's evaluation (and at the end of the run)",
+                             default=True)
+    keep_last: int = doc("keep the newest N checkpoints, plus the best one when best_metric is set",
+                         default=2, within=POSITIVE)
+    best_metric: str | None = doc("validation metric that picks the best checkpoint to keep and model_best.safetensors "
+                                  "to export (e.g. accuracy; unset = none)", default=None)
+    best_mode: Literal["max", "min"] = doc("whether a higher (max) or lower (min) best_metric is better", default="max")
+
+
+@dataclass
+class PredictConfig:
+    top_k: int = doc("labels, each with its score, written per input file by accel-train predict",
+                     default=1, within=POSITIVE)
+    batch_size: int = doc("inputs per process in each forward pass of predict: the same at any world size, so the "
+                          "scores are too", default=32, within=POSITIVE)
+
+
+@dataclass
+class Config:
+    description: str = doc("one line shown by `accel-train recipes`", default="")
+    task: str = doc("what the model learns: classification, vae, or an import path module:Class (a subclass of "
+                    "accel_train.Task)", default="classification")
+    seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
+    output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model",
+                          default="runs/default")
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+    resume: str | None = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
+                                "or the path of a checkpoint folder", default=None)
+
+    # Recorded, not a key: the recipe name or file load_config read (None for a Config built in Python).
+    recipe: typing.ClassVar[str | None] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = ("data", "model", "train", "checkpoint", "predict")
+
+
+def check_values(config: Config) -> None:
+    """Every key within its ranges, then the rules that tie keys together; the first broken one, in one line."""
+    for section in SECTIONS:
+        node = getattr(config, section)
+        for spec in dataclasses.fields(node):
+            for bound in spec.metadata.get("within", ()):
+                bound.check(f"{section}.{spec.name}", getattr(node, spec.name))
+    if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
+        raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
+                        "eval metric it watches, e.g. train.early_stop_metric=accuracy")
+    stuck, timeout = config.train.stuck_after_s, config.train.collective_timeout_s
+    if stuck and stuck >= timeout:
+        raise UserError(f"train.stuck_after_s={stuck:g} must be below train.collective_timeout_s={timeout}: the stuck "
+                        "report comes before torch's timeout ends the processes; lower the first or raise the second")
+
+
+def fields_of(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def hints_of(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def is_union(hint: Any) -> bool:
+    """`Optional[int]` and `int | None` alike."""
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def is_mapping(hint: Any) -> bool:
+    return hint is dict or typing.get_origin(hint) is dict
+
+
+def type_name(hint: Any) -> str:
+    """int, float, str, bool; `int|null` for optional keys; `a|b|c` for a fixed set of choices."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return "|".join(args)
+    if is_union(hint):
+        return "|".join(type_name(a) if a is not type(None) else "null" for a in args)
+    if is_mapping(hint):
+        return "mapping"
+    if typing.get_origin(hint) is list:
+        return "list"
+    return hint.__name__
+
+
+def describe_keys(values: Config | None = None) -> list[tuple[str, str, str, Any]]:
+    """(key, type, help, value) for every config key, for the README and `accel-train keys`: the defaults, or the
+    values of `values` (a recipe's)."""
+    rows = []
+
+    def walk(cls: type, node: Any, prefix: str) -> None:
+        hints = hints_of(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], getattr(node, f.name) if node is not None else None, prefix + f.name + ".")
+                continue
+            if node is not None:
+                value = getattr(node, f.name)
+            else:
+                value = f.default if f.default is not dataclasses.MISSING else \
+                    f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            rows.append((prefix + f.name, type_name(hints[f.name]), f.metadata.get("help", ""), value))
+
+    walk(Config, values, "")
+    return rows

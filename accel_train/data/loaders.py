@@ -1,0 +1,62 @@
+"""The DataLoaders over a split's data: global batches (or their equal micro-batches) that Accelerate's prepare
+splits across processes, each epoch's order and augmentation a function of (seed, epoch)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader
+
+from accel_train.config import DataConfig
+from accel_train.data.in_memory import InMemoryImages, PerSampleImages, keep_batch
+from accel_train.data.keyed import KeyedSamples
+from accel_train.data.registry import Data
+from accel_train.distributed.devices import cores_per_process, dataloader_workers
+from accel_train.errors import UserError
+
+
+def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
+    """Data order (Accelerate's seedable sampler) and augmentation both become functions of (seed, epoch). Called
+    before the epoch's iterator is made: it fetches the first batches (in workers too) as it starts."""
+    loader.set_epoch(epoch)  # Accelerate passes it to the sampler only, not to the dataset
+    if isinstance(loader.dataset, InMemoryImages):
+        loader.dataset.set_epoch(epoch, seed)
+    elif isinstance(loader.dataset, KeyedSamples):
+        loader.dataset.key_epoch(epoch, seed)
+
+
+def slow_input_advice(cfg: DataConfig, data: Data) -> str:
+    """The knob that feeds this data path's steps faster, for the warning a high data_wait brings."""
+    if data.in_memory and cfg.on_device:  # batches are cut and augmented on the device, in the step's stream
+        return "these batches are cut and augmented on the device: lower data.image_size or turn data.augment off"
+    on_device = "set data.on_device=true (the dataset moves to the device once, augmented a batch at a time), or " \
+        if data.in_memory else ""
+    workers, cores = dataloader_workers(cfg.num_workers), cores_per_process()
+    if workers < cores:
+        return f"{on_device}raise data.num_workers (now {workers}; {cores} CPU cores per process here)"
+    return (f"{on_device}lower data.image_size, lighten augmentation or read from faster storage: all {workers} "
+            f"DataLoader workers are busy ({cores} CPU cores per process here)")
+
+
+def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device,
+                accumulation: int = 1) -> DataLoader:
+    """A loader over GLOBAL batches, or over their `accumulation` equal micro-batches; Accelerate's prepare
+    (split_batches) hands each process its slice."""
+    if train and len(data.dataset) < global_batch:
+        raise UserError(f"the training set has {len(data.dataset)} samples, fewer than "
+                        f"train.batch_size={global_batch}; "
+                        "lower train.batch_size or raise data.train_subset")
+    # A loader of its own generator: otherwise each new iterator draws its seed from the global RNG, the
+    # stream dropout uses, and a resumed run (whose iterator starts mid-epoch) would see other dropout masks.
+    # The order of samples is the seedable sampler's, a function of (seed, epoch) alone; the seeds the workers
+    # get from this generator reach no transform (KeyedSamples seeds every sample).
+    generator = torch.Generator().manual_seed(0)
+    dataset, global_batch = data.dataset, global_batch // accumulation
+    if data.in_memory:
+        if cfg.on_device:  # no workers: a batch is a few kernels on the device, not per-image Python
+            return DataLoader(dataset.to(device), batch_size=global_batch, shuffle=train, drop_last=train,
+                              collate_fn=keep_batch, generator=generator)
+        dataset = PerSampleImages(dataset, cfg.trivial_augment, cfg.random_erasing)
+    workers = dataloader_workers(cfg.num_workers)
+    return DataLoader(KeyedSamples(dataset), batch_size=global_batch, shuffle=train, drop_last=train,
+                      num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                      generator=generator)

@@ -1,0 +1,140 @@
+"""The Accelerator every command uses, formed into a real process group on whatever hardware is present, and the
+checks a launch must pass: the world size, how a global batch splits.
+
+The rest of the package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics` and its
+main-process helpers; the few collectives of the loop's decisions are collectives.py's.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from accel_train import hooks
+from accel_train.distributed.devices import has_accelerator_device
+from accel_train.distributed.environment import LauncherEnvironment, launcher_environment
+from accel_train.errors import LaunchError, UserError
+from accel_train.versions import versions
+
+if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report errors without them
+    import torch
+    from accelerate import Accelerator
+
+
+def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),
+                     trackers_dir: str | None = None) -> Accelerator:
+    """An Accelerator that forms a real process group on whatever hardware is present.
+
+    Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
+    scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
+    data order a function of (seed, epoch) alone. A collective that waits longer than
+    `collective_timeout_s` (a peer died or hangs) fails the job instead of hanging for NCCL's 30 minutes.
+    `trackers` (Accelerate's names, e.g. tensorboard) keep their local files in `trackers_dir`.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+
+    launcher = launcher_environment()
+    use_cpu = not has_accelerator_device()
+    mixed_precision = None  # None = whatever the launch profile says
+    if use_cpu and launcher.mixed_precision == "fp16":
+        if launcher.is_reporting_process:
+            print("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32", file=sys.stderr)
+        mixed_precision = "no"
+    if use_cpu and launcher.uses_fsdp and launcher.is_reporting_process:
+        print("accel-train: warning: Accelerate runs FSDP on GPUs only; on this CPU every process holds the whole "
+              "model (DDP over a gloo group)", file=sys.stderr)
+    form_group_apart_from_earlier_attempts(use_cpu, collective_timeout_s, launcher)
+    # Without cpu=True, Accelerate on a GPU-less box under a multi-process launcher silently
+    # trains N independent copies instead of joining one gloo process group.
+    options = hooks.every().accelerator_options(dict(
+        cpu=use_cpu,
+        mixed_precision=mixed_precision,
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
+        log_with=list(trackers) or None,
+        project_dir=trackers_dir if trackers else None,
+    ))
+    accelerator = Accelerator(**options)
+    if launcher.world_size is not None and launcher.world_size != accelerator.num_processes:
+        raise LaunchError(
+            f"the launcher started {launcher.world_size} processes but only {accelerator.num_processes} joined the "
+            f"run (distributed type {accelerator.distributed_type}); check the launch profile and device visibility"
+        )
+    hooks.every().accelerator_made(accelerator)
+    return accelerator
+
+
+def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float, launcher: LauncherEnvironment) -> None:
+    """After a launcher restart, form the process group under keys of this attempt only (Accelerate then uses it).
+
+    The elastic agent keeps one store across restarts, and the group's keys in it still hold the addresses of
+    the previous attempt's dead processes: a restarted process may read those and hang or fail to connect
+    (pytorch/pytorch#135712). Every process of a restarted group gets the same restart count from its launcher.
+    """
+    import torch
+
+    if not launcher.restart or not launcher.uses_agent_store:
+        return
+    if not use_cpu and not torch.cuda.is_available():  # other accelerators: Accelerate forms the group as before
+        return
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    agent_store = dist.TCPStore(launcher.main_address, launcher.main_port, is_master=False, timeout=timeout)
+    # On GPUs NCCL for CUDA tensors and gloo for CPU ones, as Accelerate's own FSDP-offload group has
+    dist.init_process_group("gloo" if use_cpu else "cuda:nccl,cpu:gloo",
+                            store=dist.PrefixStore(f"accel_train/restart_{launcher.restart}", agent_store),
+                            rank=launcher.rank, world_size=launcher.world_size, timeout=timeout)
+
+
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:
+    """Check that a global batch splits evenly across processes (Accelerate's split_batches needs it)."""
+    n = accelerator.num_processes
+    if global_batch % n:
+        lower, upper = (global_batch // n) * n, (global_batch // n + 1) * n
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        # A checkpoint continues only with its own global batch: the world sizes that split it are the other way out.
+        raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, "
+                        f"e.g. {hint}, or run at a world size that splits it: "
+                        f"{', '.join(map(str, divisors(global_batch)))} process(es)")
+    return global_batch // n
+
+
+def round_up_to_world(batch: int, accelerator: Accelerator) -> int:
+    """Evaluation batch sizes do not change results, so round them up to split evenly instead of failing."""
+    n = accelerator.num_processes
+    return -(-batch // n) * n
+
+
+def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Accelerator) -> torch.nn.Module:
+    if not enabled or accelerator.num_processes == 1:
+        return model
+    if accelerator.device.type == "cpu":
+        accelerator.print("model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own "
+                          "statistics")
+        return model
+    import torch
+
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def shards_gradients(accelerator: Accelerator) -> bool:
+    """FSDP: each process holds a shard of the gradients, and its forward and backward passes gather and scatter."""
+    return "FSDP" in str(accelerator.distributed_type)
+
+
+def run_info(accelerator: Accelerator) -> dict:
+    """How this run was launched, written beside its results."""
+    return {
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "device": accelerator.device.type,
+        "mixed_precision": accelerator.mixed_precision,
+        "versions": {name.replace("-", "_"): version for name, version in versions().items()},
+    }

@@ -1,0 +1,49 @@
+"""The devices torch sees on this machine, and the CPU cores each process may use."""
+
+from __future__ import annotations
+
+import os
+
+from accel_train.distributed.environment import launcher_environment
+
+
+def has_accelerator_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def cores_per_process() -> int:
+    """The CPU cores this process may use divided among the processes on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores // (launcher_environment().local_world_size or 1)
+
+
+def dataloader_workers(requested: int | str) -> int:
+    """data.num_workers: a number as given; auto, the cores per process (torch warns above the cores it sees),
+    at most 8."""
+    return int(requested) if requested != "auto" else min(8, cores_per_process())
+
+
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN has native bf16 kernels here (AVX512-BF16 / AMX); without them autocast only emulates."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def visible_devices() -> tuple[str, str, list[str], str]:
+    """The device type ("cuda", "xpu" or "cpu"), its process-group backend, the device names, and one line
+    saying what is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return "cuda", "nccl", names, f"{len(names)} CUDA GPU(s): {', '.join(names)}"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        names = [f"xpu:{i}" for i in range(torch.xpu.device_count())]
+        return "xpu", "xccl", names, f"{len(names)} Intel XPU(s)"
+    return "cpu", "gloo", [], f"no GPU visible; CPU with {os.cpu_count()} cores"
