@@ -18,7 +18,6 @@ import sys
 import time
 import types
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,30 +171,16 @@ def assert_same_weights(out: Path, reference: Path, weights: tuple[str, ...] = (
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
 
 
-class Crash(Exception):
-    pass
-
-
-def crash_after_checkpoint_then_resume(monkeypatch, step: int, recipe: str, *overrides: str,
-                                       resume: str = "auto") -> None:
+def crash_after_checkpoint_then_resume(step: int, recipe: str, *overrides: str, resume: str = "auto") -> None:
     """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
     resume=auto (or the checkpoint `resume` names), as a user would after a crash.
 
     The second run must have started where that checkpoint left off (assert_resumed_from)."""
-    from accel_train.run.checkpoint import Checkpoints
+    from accel_train import hooks
+    from support.faults import Crash, RaiseAfterSave
 
-    save = Checkpoints.save
-
-    def save_then_crash(self, progress, *args, **kwargs):
-        saved = save(self, progress, *args, **kwargs)
-        if progress.step == step:
-            raise Crash
-        return saved
-
-    monkeypatch.setattr(Checkpoints, "save", save_then_crash)
-    with pytest.raises(Crash):
+    with pytest.raises(Crash), hooks.added(RaiseAfterSave(step)):
         train_in_process(recipe, *overrides)
-    monkeypatch.setattr(Checkpoints, "save", save)
     out = Path(next(arg.split("=", 1)[1] for arg in overrides if arg.startswith("output_dir=")))
     if resume == "auto":
         resumed_from = newest_checkpoint_step(out)
@@ -337,82 +322,6 @@ def two_hosts():
 def _delete_namespaces(hosts: list[Host]) -> None:
     for host in hosts:  # deleting a namespace deletes its end of the veth pair, and with it the other end
         subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)
-
-
-class CropFinder:
-    """Which training image, crop offset and mirroring an augmented model input shows, found from its pixels: a
-    table of every zero-padded crop of every training image, and its mirror image. Meant for a few dozen noise
-    images (synthetic data), where each crop is unique; a random crop + flip of (seed, epoch, index) or of a
-    DataLoader worker's random state is then observed in what the model received, not in how it was drawn."""
-
-    def __init__(self, images, mean, std, padding: int) -> None:
-        import torch.nn.functional as F
-
-        self.mean, self.std = mean.cpu().view(1, -1, 1, 1), std.cpu().view(1, -1, 1, 1)
-        images = images.cpu()
-        side, offsets = images.shape[-1], range(2 * padding + 1)
-        padded = F.pad(images, (padding,) * 4)
-        draws = [(top, left, flip) for top in offsets for left in offsets for flip in (False, True)]
-        crops = [padded[..., top:top + side, left:left + side].flip(-1) if flip else
-                 padded[..., top:top + side, left:left + side] for top, left, flip in draws]
-        rows = torch.stack(crops).flatten(2).numpy()  # (draw, image, pixels)
-        self.table = {rows[d, index].tobytes(): [index, *draw] for d, draw in enumerate(draws)
-                      for index in range(len(images))}
-
-    def __call__(self, inputs) -> list[list | None]:
-        """[index, top, left, flip] for each normalised model input of a batch; None where no crop matches."""
-        pixels = ((inputs.detach().float().cpu() * self.std + self.mean) * 255).round().clamp(0, 255)
-        return [self.table.get(image.to(torch.uint8).contiguous().numpy().tobytes()) for image in pixels]
-
-
-@contextmanager
-def crops_of_training_batches(into: list):
-    """While inside, each training batch a classification model receives (this process's share) appends
-    [epoch, [[index, top, left, flip] for each image]] to `into`, found by a CropFinder over the training set of
-    an in-memory dataset (on the device or file-backed, data.on_device=false). The run computes what it would."""
-    from accel_train.training import loop
-    from accel_train.data import InMemoryImages, pad_for
-    from accel_train.workloads.tasks.classification import ClassificationTask
-
-    make_loader, mix_batch, finder = loop.make_loader, ClassificationTask.mix_batch, {}
-
-    def make_loader_and_finder(data, cfg, global_batch, train, *args, **kwargs):
-        if train and isinstance(data.dataset, InMemoryImages):
-            samples = data.dataset
-            finder["crops"] = CropFinder(samples.images, samples.mean, samples.std, pad_for(samples.images.shape[-1]))
-        return make_loader(data, cfg, global_batch, train, *args, **kwargs)
-
-    def record_then_mix(self, batch, epoch, number):
-        if "crops" in finder:
-            into.append([epoch, finder["crops"](batch[0])])
-        return mix_batch(self, batch, epoch, number)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "make_loader", make_loader_and_finder)
-        patch.setattr(ClassificationTask, "mix_batch", record_then_mix)
-        yield into
-
-
-@contextmanager
-def inputs_of_training_batches(into: list):
-    """While inside, each training batch a classification model receives (this process's share) appends
-    [epoch, [[label, digest of the input] for each sample]] to `into`: with labels that are the samples' indices,
-    what each sample looked like after its transforms, bit for bit. The run computes what it would."""
-    import hashlib
-
-    from accel_train.workloads.tasks.classification import ClassificationTask
-
-    mix_batch = ClassificationTask.mix_batch
-
-    def record_then_mix(self, batch, epoch, number):
-        inputs, labels = batch[0].detach().cpu(), batch[1].tolist()
-        into.append([epoch, [[label, hashlib.sha1(sample.contiguous().numpy().tobytes()).hexdigest()[:16]]
-                             for label, sample in zip(labels, inputs)]])
-        return mix_batch(self, batch, epoch, number)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ClassificationTask, "mix_batch", record_then_mix)
-        yield into
 
 
 # Every process a test starts ends with the test. Whatever starts it (the helpers above, a test's own subprocess

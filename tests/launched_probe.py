@@ -1,7 +1,9 @@
 """`accel-train ARGS` with recorders and injected faults, for contracts that metrics.jsonl cannot show.
 
 Run like the CLI (`accelerate launch tests/launched_probe.py train RECIPE ...`, or plain `python`); it runs
-the real CLI and loop. The test hooks of the package live here, not in it.
+the real CLI and loop, with the recorders (tests/support/recorders.py) and faults (tests/support/faults.py) that the
+PROBE_* variables ask for added through the package's hooks (accel_train.hooks): nothing of the package is
+reassigned (tests/test_rooms.py checks this file for it).
 
 Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process:
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
@@ -20,10 +22,11 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `step_lr`: [optimizer step, LR it applied] for every optimizer step of the run;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
+- `meter` and `step_lr` come from the same point (`optimizer_stepped`): what the loop applied.
 The recorders never change what the run computes.
 
 Faults:
-- PROBE_NONFINITE=STEP:PROCESS makes that process's loss NaN at optimizer step STEP before backward, so the
+- PROBE_NONFINITE=STEP:PROCESS makes that process's loss NaN at training forward pass STEP before backward, so the
   NaN crosses the gradient all-reduce as in life; STEP:PROCESS:grad leaves the loss finite and makes one
   gradient inf instead; STEP:PROCESS:value makes only the loss's value NaN (a NaN constant added to it) and
   leaves every gradient finite, so nothing non-finite crosses the gradient all-reduce: the other processes
@@ -50,77 +53,20 @@ Faults:
   it did not know yet: a library that differs, with every checkpoint file whole.
 """
 
-import hashlib
 import json
-import math
 import os
 import sys
 from contextlib import ExitStack
 
 import torch
 
-from accel_train import cli
-from accel_train.training import loop
-from accel_train import data
-from conftest import crops_of_training_batches, inputs_of_training_batches
+from accel_train import cli, hooks
+from accel_train.config import TrainConfig
+from accel_train.distributed.accelerator import make_accelerator
+from accel_train.training.optim import build_optimizer, build_scheduler
+from support import faults, recorders
 
 PROBE_STEPS_PER_EPOCH, PROBE_EPOCHS = 4, 3
-record = {"batches": [], "crops": [], "inputs": [], "allreduce_at": [], "eval_sets": [], "saves": [], "dropout": [],
-          "meter": [], "step_lr": []}
-
-_make_loader, _getitems = loop.make_loader, data.InMemoryImages.__getitems__
-
-
-def make_loader(dataset, cfg, global_batch, train, *args):
-    dataset.dataset.probe_train = train
-    samples = dataset.dataset
-    if not train and hasattr(samples, "labels"):
-        record["eval_sets"].append(list(zip(samples.labels.tolist(), samples.images.flatten(1).sum(1).tolist())))
-    return _make_loader(dataset, cfg, global_batch, train, *args)
-
-
-def getitems(self, indices):
-    if getattr(self, "probe_train", False):
-        record["batches"].append([int(i) for i in indices])
-    return _getitems(self, indices)
-
-
-def record_gradient_allreduce() -> None:
-    from accelerate import Accelerator
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
-
-    prepare_model, forwards = Accelerator.prepare_model, {"training": 0}
-
-    def count(module, args):
-        forwards["training"] += module.training
-
-    def hook(process_group, bucket):
-        if forwards["training"] not in record["allreduce_at"]:
-            record["allreduce_at"].append(forwards["training"])
-        return allreduce_hook(process_group, bucket)
-
-    def prepare_model_with_recorder(self, model, *args, **kwargs):
-        model = prepare_model(self, model, *args, **kwargs)
-        if isinstance(model, DistributedDataParallel):
-            model.register_forward_pre_hook(count)
-            model.register_comm_hook(None, hook)
-        return model
-
-    Accelerator.prepare_model = prepare_model_with_recorder
-
-
-def out_of_memory_above(limit: int) -> None:
-    from accel_train.training import accumulation
-
-    try_micro_batch = accumulation.try_micro_batch
-
-    def try_or_run_out(accelerator, task, model, data, probe_data, size):
-        if size > limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} samples (PROBE_OOM_ABOVE)")
-        return try_micro_batch(accelerator, task, model, data, probe_data, size)
-
-    accumulation.try_micro_batch = try_or_run_out
 
 
 def numbers(name: str, spec: str, usage: str, count: int) -> list[int]:
@@ -131,157 +77,52 @@ def numbers(name: str, spec: str, usage: str, count: int) -> list[int]:
     return [int(part) for part in parts]
 
 
-def out_of_memory_at(spec: str, setattr=setattr) -> None:
-    """PROBE_OOM_AT. `setattr`: pytest's monkeypatch.setattr in a test that runs training in its own process."""
-    from accelerate import PartialState
-    from accelerate.utils import find_batch_size
-
-    from accel_train.training import accumulation
-    from accel_train.workloads.tasks import TASKS
-
-    step, process, samples = [*numbers("PROBE_OOM_AT", spec, "STEP:PROCESS:SAMPLES", 2), 0][:3]
-    now, try_micro_batch = {}, accumulation.try_micro_batch
-
-    class Watched(loop.Progress):  # the loop's own count of optimizer steps, resumes included
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            now["progress"] = self
-
-    def searching(*args, **kwargs):  # before this run's Progress: no fault (a previous run's Progress is stale)
-        now.pop("progress", None)
-        return try_micro_batch(*args, **kwargs)
-
-    def runs_out(training_step):
-        def training_step_or_out_of_memory(self, model, batch):
-            terms = training_step(self, model, batch)
-            size = find_batch_size(batch)
-            if ("progress" in now and now["progress"].step + 1 >= step and size > samples
-                    and PartialState().process_index == process):
-                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} samples (PROBE_OOM_AT)")
-            return terms
-        return training_step_or_out_of_memory
-
-    setattr(loop, "Progress", Watched)
-    setattr(accumulation, "try_micro_batch", searching)
-    for name in TASKS.names():
-        task = TASKS.get(name)
-        setattr(task, "training_step", runs_out(task.training_step))
+def whole_number(name: str) -> int:
+    """The number a PROBE_* variable holds, or one line naming it (not a traceback)."""
+    value = os.environ[name]
+    if not value.isdigit():
+        sys.exit(f"{name}={value}: expected a whole number")
+    return int(value)
 
 
-def eval_out_of_memory(spec: str, setattr=setattr) -> None:
-    """PROBE_EVAL_OOM."""
-    from accelerate import PartialState
-    from accelerate.utils import find_batch_size
-
-    from accel_train.workloads.tasks import TASKS
-
-    process, samples = numbers("PROBE_EVAL_OOM", spec, "PROCESS:SAMPLES", 2)
-
-    def runs_out(eval_step):
-        def eval_step_or_out_of_memory(self, model, batch):
-            outputs = eval_step(self, model, batch)
-            size = find_batch_size(batch)
-            if size > samples and PartialState().process_index == process:
-                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} samples (PROBE_EVAL_OOM)")
-            return outputs
-        return eval_step_or_out_of_memory
-
-    for name in TASKS.names():
-        task = TASKS.get(name)
-        setattr(task, "eval_step", runs_out(task.eval_step))
+def nonfinite(spec: str) -> faults.NonFinite:
+    try:
+        step, process, *where = spec.split(":")
+        step, process, where = int(step), int(process), (where or ["loss"])[0]
+        assert where in ("loss", "grad", "value")
+    except (ValueError, AssertionError):
+        sys.exit(f"PROBE_NONFINITE={spec}: expected STEP:PROCESS, STEP:PROCESS:grad or STEP:PROCESS:value")
+    return faults.NonFinite(step, process, where)
 
 
-def fsdp_on_cpu() -> None:
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    from accel_train.launch import distributed
-    from accel_train.training import evaluation
-
-    make_accelerator = distributed.make_accelerator
-
-    def make_fsdp_accelerator(*args, **kwargs):
-        accelerator = make_accelerator(*args, **kwargs)
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the profile's FSDP_* variables
-        return accelerator
-
-    distributed.make_accelerator = loop.make_accelerator = evaluation.make_accelerator = make_fsdp_accelerator
-
-
-def record_dropout_and_meter() -> None:
-    from accel_train.training.meter import TrainMeter
-
-    dropout_forward, update = torch.nn.Dropout.forward, TrainMeter.update
-    first = {}
-
-    def dropout_and_record(self, input):
-        if self.training and first.setdefault("layer", self) is self:
-            state = (torch.cuda.get_rng_state() if input.is_cuda else torch.get_rng_state()).numpy().tobytes()
-            record["dropout"].append(hashlib.sha1(state).hexdigest())
-        return dropout_forward(self, input)
-
-    def update_and_record(self, terms, skipped):
-        record["meter"].append([terms["loss"].item(), skipped.item()])
-        return update(self, terms, skipped)
-
-    torch.nn.Dropout.forward, TrainMeter.update = dropout_and_record, update_and_record
+def faults_asked() -> list:
+    """The faults the PROBE_* variables ask for."""
+    env, asked = os.environ, []
+    if env.get("PROBE_NONFINITE"):
+        asked.append(nonfinite(env["PROBE_NONFINITE"]))
+    if env.get("PROBE_OOM_ABOVE"):
+        asked.append(faults.OutOfMemoryAbove(whole_number("PROBE_OOM_ABOVE")))
+    if env.get("PROBE_OOM_AT"):
+        step, process, samples = [*numbers("PROBE_OOM_AT", env["PROBE_OOM_AT"], "STEP:PROCESS:SAMPLES", 2), 0][:3]
+        asked.append(faults.OutOfMemoryAt(step, process, samples))
+    if env.get("PROBE_EVAL_OOM"):
+        asked.append(faults.EvalOutOfMemory(*numbers("PROBE_EVAL_OOM", env["PROBE_EVAL_OOM"], "PROCESS:SAMPLES", 2)))
+    if env.get("PROBE_FSDP_ON_CPU"):
+        asked.append(faults.FsdpOnCpu())
+    if env.get("PROBE_CRASH_AFTER_SAVE"):
+        asked.append(faults.CrashAfterSave(whole_number("PROBE_CRASH_AFTER_SAVE")))
+    if env.get("PROBE_LOAD_API_ERROR"):
+        asked.append(faults.LoadApiError())
+    if env.get("PROBE_SIGNALS_AT"):
+        asked.append(faults.SignalsAt(whole_number("PROBE_SIGNALS_AT")))
+    if env.get("PROBE_NO_PROCESS_GROUP"):
+        asked.append(faults.NoProcessGroup())
+    return asked
 
 
-def record_step_lr() -> None:
-    from accel_train.training.guard import NonFiniteGuard
-
-    guarded_step = NonFiniteGuard.step
-
-    def step_and_record(self, optimizer, terms, grad_norm, step):
-        record["step_lr"].append([step, optimizer.param_groups[0]["lr"]])
-        return guarded_step(self, optimizer, terms, grad_norm, step)
-
-    NonFiniteGuard.step = step_and_record
-
-
-def signals_at(step: int) -> None:
-    import signal
-
-    from accelerate import PartialState
-
-    from accel_train.run.checkpoint import Checkpoints
-    from accel_train.training.meter import TrainMeter
-
-    update, save, calls = TrainMeter.update, Checkpoints.save, {"steps": 0, "signalled": False}
-
-    def update_then_signal(self, terms, skipped):
-        calls["steps"] += 1
-        if calls["steps"] == step and PartialState().process_index == 0:
-            calls["signalled"] = True
-            os.kill(os.getpid(), signal.SIGTERM)
-        return update(self, terms, skipped)
-
-    def signal_again_then_save(self, *args, **kwargs):
-        if calls["signalled"]:
-            os.kill(os.getpid(), signal.SIGINT)
-        return save(self, *args, **kwargs)
-
-    TrainMeter.update, Checkpoints.save = update_then_signal, signal_again_then_save
-
-
-def record_saves() -> None:
-    from accel_train.run.checkpoint import Checkpoints
-
-    save = Checkpoints.save
-
-    def save_and_record(self, progress, *args, **kwargs):
-        record["saves"].append(progress.step)
-        return save(self, progress, *args, **kwargs)
-
-    Checkpoints.save = save_and_record
-
-
-def lr_traces(seed: int) -> dict:
-    from accel_train.config import TrainConfig
-    from accel_train.launch.distributed import make_accelerator
-    from accel_train.training.optim import build_optimizer, build_scheduler
-
+def lr_traces(seed: int) -> tuple[dict, int]:
+    """For every shipped schedule (with warmup), the LR at each optimizer step through a scheduler prepared by the
+    Accelerator setup the loop uses; and this process's index."""
     accelerator = make_accelerator(seed)
     traces = {}
     for schedule in ("constant", "step", "exponential", "cosine"):
@@ -301,119 +142,22 @@ def lr_traces(seed: int) -> dict:
     return traces, accelerator.process_index
 
 
-def inject_nonfinite(spec: str) -> None:
-    from accelerate import PartialState
-
-    from accel_train.workloads.tasks import TASKS
-
-    try:
-        step, process, *where = spec.split(":")
-        step, process, where = int(step), int(process), (where or ["loss"])[0]
-        assert where in ("loss", "grad", "value")
-    except (ValueError, AssertionError):
-        sys.exit(f"PROBE_NONFINITE={spec}: expected STEP:PROCESS, STEP:PROCESS:grad or STEP:PROCESS:value")
-    calls = {"steps": 0}
-
-    def poisoned(training_step):
-        def training_step_with_fault(self, model, batch):
-            terms = training_step(self, model, batch)
-            calls["steps"] += 1
-            if calls["steps"] != step or PartialState().process_index != process:
-                return terms
-            if where == "loss":
-                return {**terms, "loss": terms["loss"] * math.nan}
-            if where == "value":  # the constant has no gradient: backward gives the finite gradients of the loss
-                return {**terms, "loss": terms["loss"] + torch.tensor(math.nan, device=terms["loss"].device)}
-            param, fired = next(p for p in model.parameters() if p.requires_grad), []
-
-            def infinite_once(grad):  # runs before the all-reduce, like an overflow in this process's backward
-                if not fired:
-                    fired.append(True)
-                    return torch.full_like(grad, math.inf)
-                return None
-
-            param.register_hook(infinite_once)
-            return terms
-        return training_step_with_fault
-
-    for name in TASKS.names():
-        task = TASKS.get(name)
-        task.training_step = poisoned(task.training_step)
-
-
-def crash_after_save(step: int) -> None:
-    from accel_train.run.checkpoint import Checkpoints
-
-    save = Checkpoints.save
-
-    def save_then_crash(self, progress, *args, **kwargs):
-        saved = save(self, progress, *args, **kwargs)
-        if progress.step == step:
-            sys.stdout.flush()
-            os._exit(1)
-        return saved
-
-    Checkpoints.save = save_then_crash
-
-
-def no_process_group() -> None:
-    from accel_train.launch import distributed
-
-    distributed.has_accelerator_device = lambda: True
-
-
-def load_api_error() -> None:
-    from accelerate import Accelerator
-
-    def older_load_state(self, input_dir=None, **kwargs):
-        raise TypeError("load_model() got an unexpected keyword argument 'load_kwargs'")
-
-    Accelerator.load_state = older_load_state
-
-
-def whole_number(name: str) -> int:
-    """The number a PROBE_* variable holds, or one line naming it (not a traceback)."""
-    value = os.environ[name]
-    if not value.isdigit():
-        sys.exit(f"{name}={value}: expected a whole number")
-    return int(value)
-
-
 if __name__ == "__main__":
     seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
-    if os.environ.get("PROBE_NONFINITE"):
-        inject_nonfinite(os.environ["PROBE_NONFINITE"])
-    if os.environ.get("PROBE_OOM_ABOVE"):
-        out_of_memory_above(whole_number("PROBE_OOM_ABOVE"))
-    if os.environ.get("PROBE_OOM_AT"):
-        out_of_memory_at(os.environ["PROBE_OOM_AT"])
-    if os.environ.get("PROBE_EVAL_OOM"):
-        eval_out_of_memory(os.environ["PROBE_EVAL_OOM"])
-    if os.environ.get("PROBE_FSDP_ON_CPU"):
-        fsdp_on_cpu()
-    if os.environ.get("PROBE_CRASH_AFTER_SAVE"):
-        crash_after_save(whole_number("PROBE_CRASH_AFTER_SAVE"))
-    if os.environ.get("PROBE_LOAD_API_ERROR"):
-        load_api_error()
-    if os.environ.get("PROBE_SIGNALS_AT"):
-        signals_at(whole_number("PROBE_SIGNALS_AT"))
-    if os.environ.get("PROBE_NO_PROCESS_GROUP"):
-        no_process_group()
     out = os.environ.get("PROBE_DIR")
+    record = {"batches": [], "crops": [], "inputs": [], "allreduce_at": [], "eval_sets": [], "saves": [],
+              "dropout": [], "meter": [], "step_lr": []}
+    added = faults_asked()
     if out:
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
-        loop.make_loader = make_loader
-        data.InMemoryImages.__getitems__ = getitems
-        record_gradient_allreduce()
-        record_saves()
-        record_dropout_and_meter()
-        record_step_lr()
+        added.append(recorders.Run(record))
+        if os.environ.get("PROBE_CROPS"):
+            added.append(recorders.Crops(record["crops"]))
+        if os.environ.get("PROBE_INPUTS"):
+            added.append(recorders.Inputs(record["inputs"]))
     try:
-        with ExitStack() as recorders:
-            if out and os.environ.get("PROBE_CROPS"):
-                recorders.enter_context(crops_of_training_batches(record["crops"]))
-            if out and os.environ.get("PROBE_INPUTS"):
-                recorders.enter_context(inputs_of_training_batches(record["inputs"]))
+        with ExitStack() as stack:
+            stack.enter_context(hooks.added(*added))
             cli.main(sys.argv[1:])
     except SystemExit as exit:
         if exit.code:

@@ -2,15 +2,17 @@
 one optimizer step, so how it is split (processes x micro-batch x accumulation steps) does not change training.
 """
 
+import dataclasses
 import json
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 
-from accel_train import data
+from accel_train import hooks
 from conftest import PROBE, assert_same_run, crash_after_checkpoint_then_resume, launch, read_metrics, train_in_process
+from support.faults import OutOfMemoryAbove
+from support.recorders import RecordedImages
 
 # 90 samples: 3 optimizer steps of 24 per epoch, with 18 samples left over (3 micro-batches of 6 under
 # accumulation 4, fewer than a step, as drop_last leaves a partial batch without accumulation).
@@ -25,14 +27,22 @@ SPLITS = {  # name -> (processes, overrides)
 }
 
 
+class EveryBatchRead(hooks.Hooks):
+    """The indices of every batch read from a split's in-memory dataset, train and eval."""
+
+    def __init__(self) -> None:
+        self.read = []
+
+    def data_built(self, data, split):
+        return dataclasses.replace(data, dataset=RecordedImages(data.dataset, self.read))
+
+
 def batch_sizes_read(*args: str) -> set[int]:
     """Trains in this process; the sizes of the batches (train and eval) it read from its in-memory dataset."""
-    sizes, getitems = set(), data.InMemoryImages.__getitems__
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(data.InMemoryImages, "__getitems__",
-                      lambda self, indices: sizes.add(len(indices)) or getitems(self, indices))
+    recorder = EveryBatchRead()
+    with hooks.added(recorder):
         train_in_process(*args)
-    return sizes
+    return {len(indices) for indices in recorder.read}
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +83,11 @@ def test_gradients_are_all_reduced_once_per_optimizer_step_not_per_micro_batch(s
         assert rank["allreduce_at"] == [2, 4, 6, 8, 10, 12]
 
 
-def test_resume_with_accumulation_stopped_mid_epoch_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_with_accumulation_stopped_mid_epoch_equals_the_uninterrupted_run(tmp_path):
     run = [*SAME_GLOBAL_BATCH, "train.accumulation_steps=4", "checkpoint.every_steps=2"]
     train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
     # step 4: mid-epoch 1, between train lines' checkpoints
-    crash_after_checkpoint_then_resume(monkeypatch, 4, *run, f"output_dir={tmp_path / 'resumed'}")
+    crash_after_checkpoint_then_resume(4, *run, f"output_dir={tmp_path / 'resumed'}")
     assert_same_run(tmp_path / "resumed", tmp_path / "reference")
 
 
@@ -112,13 +122,9 @@ def test_micro_batch_auto_finds_the_largest_that_fits_and_trains_like_the_full_b
         assert (auto[key] - weights).norm() / weights.norm() <= 1e-5, key
 
 
-def test_micro_batch_auto_says_so_when_not_even_one_sample_fits(tmp_path, monkeypatch):
+def test_micro_batch_auto_says_so_when_not_even_one_sample_fits(tmp_path):
     from accel_train.errors import UserError
-    from accel_train.training import accumulation
 
-    def out_of_memory(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-
-    monkeypatch.setattr(accumulation, "try_micro_batch", out_of_memory)
-    with pytest.raises(UserError, match="not even 1 sample per process fits in cpu memory"):
+    with pytest.raises(UserError, match="not even 1 sample per process fits in cpu memory"), \
+            hooks.added(OutOfMemoryAbove(0)):
         train_in_process(*SAME_GLOBAL_BATCH, "train.micro_batch_size=auto", f"output_dir={tmp_path}")

@@ -11,24 +11,10 @@ from accelerate.data_loader import prepare_data_loader
 from PIL import Image
 
 from accel_train.config import DataConfig
-from accel_train.data import (
-    Data,
-    InMemoryImages,
-    KeyedSamples,
-    make_loader,
-    random_crop_flip,
-    sample_keys,
-    start_epoch,
-)
-from conftest import (
-    PROBE,
-    REPO,
-    crash_after_checkpoint_then_resume,
-    inputs_of_training_batches,
-    launch,
-    read_metrics,
-    train_in_process,
-)
+from accel_train.data import Data, InMemoryImages, KeyedSamples, make_loader, sample_keys, start_epoch
+from accel_train.data.in_memory import pad_for, random_crop_flip, to_model_input
+from conftest import PROBE, REPO, crash_after_checkpoint_then_resume, launch, read_metrics, train_in_process
+from support.recorders import inputs_of_training_batches
 
 CPU = torch.device("cpu")
 
@@ -144,36 +130,32 @@ def test_default_dataloader_workers_fit_the_cores_of_each_process_so_torch_does_
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size(monkeypatch, processes):
+def test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size(processes):
     """What the loop calls at each epoch (start_epoch on Accelerate's prepared loader) reaches the on-device
-    augmentation: a sample's key is a function of (seed, epoch, index), on every process. Accelerate hands the
-    epoch to the dataset itself at 1 process only; at 2, start_epoch alone does."""
-    from accel_train import data
+    augmentation: every process gives each sample the crop and flip of its key (seed, epoch, index), and so another
+    one each epoch. Accelerate hands the epoch to the dataset itself at 1 process only; at 2, start_epoch alone does."""
+    source = _images(augment=True)
+    (loader, _) = _loaders(source, batch=12, train=True)
+    images = source.dataset
 
-    drawn, sample_keys = [], data.sample_keys
+    def expected(index: int, epoch: int) -> torch.Tensor:
+        key = sample_keys(torch.tensor([index]), epoch, 7)
+        crop = random_crop_flip(images.images[index:index + 1], pad_for(8), key)
+        return to_model_input(crop, None, images.mean, images.std)[0]
 
-    def recorded(indices, epoch, seed):
-        keys = sample_keys(indices, epoch, seed)
-        drawn.append(dict(zip(indices.tolist(), keys.tolist())))
-        return keys
-
-    monkeypatch.setattr(data, "sample_keys", recorded)
-    (loader, _) = _loaders(_images(augment=True), batch=12, train=True)
-    keys = {}  # (process, epoch) -> {sample index: key}
+    seen = {}  # (epoch, sample index) -> the model's input, from whichever process read it
     for rank in range(processes):
         prepared = prepare_data_loader(loader, CPU, num_processes=processes, process_index=rank, split_batches=True,
                                        put_on_device=True, use_seedable_sampler=True, data_seed=7)
         for epoch in (0, 1):
-            drawn.clear()
-            data.start_epoch(prepared, epoch, seed=7)
-            for _ in prepared:
-                pass
-            keys[rank, epoch] = {index: key for batch in drawn for index, key in batch.items()}
-    for rank in range(processes):
-        both = keys[rank, 0].keys() & keys[rank, 1].keys()
-        assert len(both) >= 6 and all(keys[rank, 0][i] != keys[rank, 1][i] for i in both), "crops repeated"
-    merged = [{i: key for rank in range(processes) for i, key in keys[rank, epoch].items()} for epoch in (0, 1)]
-    assert merged == [{i: sample_keys(torch.tensor([i]), epoch, 7).item() for i in merged[epoch]} for epoch in (0, 1)]
+            start_epoch(prepared, epoch, seed=7)
+            for inputs, labels in prepared:  # labels are the samples' indices
+                seen.update({(epoch, index): image for index, image in zip(labels.tolist(), inputs)})
+    assert len(seen) >= 2 * 30  # each epoch's full batches: 36 of the 37 samples
+    assert all(torch.equal(image, expected(index, epoch)) for (epoch, index), image in seen.items())
+    moved = [index for epoch, index in seen if epoch == 1 and (0, index) in seen
+             and not torch.equal(seen[0, index], seen[1, index])]
+    assert len(moved) >= 30, "the second epoch repeated the first one's crops"
 
 
 # --- per-sample transforms: every random draw keyed by (seed, epoch, index) -------------------------------------------
@@ -290,8 +272,8 @@ def keyed_runs(request, tmp_path_factory):
                env={"PROBE_DIR": str(probes), "PROBE_INPUTS": "1"}, timeout=240)
         runs[name] = drawn([batch for rank in range(processes)
                             for batch in json.loads((probes / f"rank{rank}.json").read_text())["inputs"]])
-    with pytest.MonkeyPatch.context() as patch, inputs_of_training_batches([]) as batches:
-        crash_after_checkpoint_then_resume(patch, 4, USER_RECIPE, *args, "data.num_workers=2",
+    with inputs_of_training_batches([]) as batches:
+        crash_after_checkpoint_then_resume(4, USER_RECIPE, *args, "data.num_workers=2",
                                            "checkpoint.every_steps=4", f"output_dir={tmp / 'resumed'}")
     runs["1 process, 2 workers, resumed after step 4"] = drawn(batches)
     with inputs_of_training_batches([]) as batches:

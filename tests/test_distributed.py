@@ -55,7 +55,7 @@ def test_a_global_batch_that_does_not_split_across_processes_is_refused_naming_t
     from types import SimpleNamespace
 
     from accel_train.errors import UserError
-    from accel_train.launch.distributed import per_process_batch
+    from accel_train.distributed.accelerator import per_process_batch
 
     three, four = SimpleNamespace(num_processes=3), SimpleNamespace(num_processes=4)
     with pytest.raises(UserError, match="train.batch_size=64 does not split evenly across 3 processes; use a "
@@ -72,7 +72,7 @@ def test_sync_batchnorm_on_cpu_processes_says_it_is_ignored_and_on_gpus_converts
 
     import torch
 
-    from accel_train.launch.distributed import maybe_sync_batchnorm
+    from accel_train.distributed.accelerator import maybe_sync_batchnorm
 
     said = []
 

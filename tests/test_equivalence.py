@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CropFinder, crops_of_training_batches, launch, read_metrics, train_in_process
+from conftest import launch, read_metrics, train_in_process
+from support.recorders import CropFinder, crops_of_training_batches
 
 PROBE = "tests/launched_probe.py"
 STEPS_PER_EPOCH, EPOCHS = 3, 2
@@ -124,8 +125,8 @@ def test_shuffling_is_a_function_of_seed_and_epoch():
     from torch.utils.data import TensorDataset
 
     from accel_train.config import DataConfig
-    from accel_train.launch.distributed import make_accelerator
     from accel_train.data import Data, make_loader
+    from accel_train.distributed.accelerator import make_accelerator
 
     def order(seed: int, epoch: int) -> list[int]:
         accelerator = make_accelerator(seed)
@@ -142,7 +143,7 @@ def test_shuffling_is_a_function_of_seed_and_epoch():
 
 def crops_received(ranks: list[dict]) -> list[list]:
     """Per process, per training batch: [epoch, [[sample index, top, left, flip] of each image]], as the probe
-    found them in the pixels the model received (conftest.CropFinder)."""
+    found them in the pixels the model received (support/recorders.py: CropFinder)."""
     batches = [rank["crops"] for rank in ranks]
     assert all(len(rank) == 4 for rank in batches), "2 epochs of 2 steps on every process"
     assert all(image is not None for rank in batches for _, images in rank for image in images), \
@@ -163,7 +164,8 @@ def test_augmentation_randomness_differs_between_processes(augmented_uneven):
     samples, draw differently; a sample draws the same at 3 processes as at 1 (this process); another epoch or
     seed draws anew. Read from the pixels the model received, so a draw that is not applied fails too."""
     from accel_train.config import load_config
-    from accel_train.data import build_dataset, pad_for
+    from accel_train.data import build_dataset
+    from accel_train.data.in_memory import pad_for
 
     batches = crops_received(augmented_uneven[1])
     assert_processes_draw_differently(batches)

@@ -15,7 +15,7 @@ from test_launch_paths import RUN, accelerate, check_path
 
 from accel_train.errors import UserError
 from accel_train.launch.command import JOIN_TIMEOUT_S, split_arguments
-from accel_train.launch.settings import launch_settings
+from accel_train.launch.settings import settings_of_command
 from conftest import PROFILES, PYTHON, REPO, _env, free_port, train_in_process
 
 APART_S = 8  # well past the time a launch takes to start here
@@ -107,10 +107,11 @@ def test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_the_e
     head = ["--config_file", str(PROFILES / "multi_node.yaml"), "--machine_rank", "1"]
     for spelling in (["--num_machines", "1:2"], ["--num_machines=1:2"]):
         with pytest.raises(UserError) as refused:
-            launch_settings([*head, *spelling, "-m", "accel_train", "train", "mnist_cnn"])
+            settings_of_command([*head, *spelling, "-m", "accel_train", "train", "mnist_cnn"])
         assert type(refused.value) is UserError, "a command-line mistake: exit 2"
         assert str(refused.value).startswith("--num_machines 1:2: accelerate launch takes a fixed number of machines")
         assert "torchrun --nnodes 1:2 --rdzv_backend c10d" in str(refused.value)
     # After the module, the words are the training command's: none of the launcher's business.
-    settings, _ = launch_settings([*head, "--num_machines", "2", "-m", "accel_train", "train", "--num_machines=1:2"])
+    command = [*head, "--num_machines", "2", "-m", "accel_train", "train", "--num_machines=1:2"]
+    settings, _ = settings_of_command(command)
     assert settings.num_machines == 2

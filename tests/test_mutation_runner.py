@@ -165,3 +165,21 @@ def test_the_baseline_checks_every_k_selection_on_its_own_since_pytest_keeps_onl
     batches = runner.baseline_batches(tests)
     assert batches == [("tests/b.py::test_x", "tests/d.py"), ("tests/a.py::-k one",), ("tests/c.py::-k two",)]
     assert [runner.pytest_args(batch).count("-k") for batch in batches] == [0, 1, 1]
+
+
+def test_every_mutation_breaks_text_found_once_in_its_file_and_names_tests_that_exist():
+    """A row whose text moved (a renamed function, a module split) would break nothing and be reported caught only
+    by luck, or not run at all; a row naming a test that no longer exists would select none."""
+    spec = importlib.util.spec_from_file_location("mutation_rows", RUNNER)
+    rows = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = rows
+    spec.loader.exec_module(rows)
+    repo = RUNNER.parents[2]
+    for mutation in rows.MUTATIONS:
+        assert (repo / mutation.file).read_text().count(mutation.original) == 1, mutation.name
+        for test in mutation.tests:
+            path, _, rest = test.partition("::")
+            assert (repo / path).is_file(), (mutation.name, test)
+            name = rest.split("[")[0]
+            if name and not name.startswith("-k "):
+                assert f"def {name}(" in (repo / path).read_text(), (mutation.name, test)

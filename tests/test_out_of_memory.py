@@ -1,15 +1,17 @@
-"""Contracts of running out of device memory while training (issue 30): with train.micro_batch_size=auto every process
+"""Contracts of running out of device memory while training: with train.micro_batch_size=auto every process
 halves the micro-batch and redoes the step from the same samples, the same global batch; where that cannot help, the
-run stops in one line. On CPU, tests/launched_probe.py (PROBE_OOM_AT, PROBE_EVAL_OOM) raises torch's out-of-memory
-error where a device would have run out."""
+run stops in one line. On CPU, the faults of tests/support/faults.py (PROBE_OOM_AT, PROBE_EVAL_OOM in the launched
+probe) raise torch's out-of-memory error where a device would have run out."""
 
 import json
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from accel_train import hooks
 from accel_train.run.checkpoint import list_checkpoints
 from accel_train.run.layout import read_micro_batch_changes, read_starts
 from accel_train.run.summaries import summarize
@@ -22,7 +24,7 @@ from conftest import (
     read_metrics,
     train_in_process,
 )
-from launched_probe import out_of_memory_at
+from support.faults import OutOfMemoryAt
 
 # 72 samples, a global batch of 24: 3 optimizer steps an epoch, 6 in all; 101 test samples in eval batches of 50.
 # SGD without clipping: a gradient off by a factor (a chunk's loss not weighted by its share) moves the weights by as
@@ -72,13 +74,11 @@ def test_one_process_running_out_makes_every_process_redo_the_step_with_half_the
     assert final["loss"] == pytest.approx(whole["loss"], rel=1e-6)
 
 
-def test_a_resume_continues_with_the_halved_micro_batch_and_equals_the_uninterrupted_run(tmp_path, monkeypatch,
-                                                                                        capsys):
-    # 1 process of 24 samples a step; from step 3 on, more than 12 samples a pass run out
-    out_of_memory_at("3:0:12", setattr=monkeypatch.setattr)
+def test_a_resume_continues_with_the_halved_micro_batch_and_equals_the_uninterrupted_run(tmp_path, capsys):
     run = [*RUN, "train.micro_batch_size=auto", "checkpoint.every_steps=2"]
-    train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
-    crash_after_checkpoint_then_resume(monkeypatch, 4, *run, f"output_dir={tmp_path / 'resumed'}")
+    with hooks.added(OutOfMemoryAt(3, 0, 12)):  # 1 process of 24 samples a step; from step 3 on, more than 12 run out
+        train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
+        crash_after_checkpoint_then_resume(4, *run, f"output_dir={tmp_path / 'resumed'}")
     assert_same_run(tmp_path / "resumed", tmp_path / "reference")
     captured = capsys.readouterr()
     assert captured.err.count(RAN_OUT_TRAINING) == 2  # the reference and the run that crashed; not the resumed one
@@ -86,35 +86,37 @@ def test_a_resume_continues_with_the_halved_micro_batch_and_equals_the_uninterru
     assert [start["micro_batch_size"] for start in read_starts(tmp_path / "resumed")] == [24, 12]
 
 
-def optimizer_runs_out(monkeypatch) -> None:
-    from accel_train.training.guard import NonFiniteGuard
+@contextmanager
+def optimizer_runs_out():
+    """Every optimizer step raises the device's out-of-memory error (torch's own global hook before a step)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    def out_of_memory(self, optimizer, bad):
+    def out_of_memory(optimizer, args, kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(NonFiniteGuard, "_apply", out_of_memory)
+    handle = register_optimizer_step_pre_hook(out_of_memory)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("overrides, fault, words", [
     # a fixed micro-batch keeps stopping, now in one line that names the setting which would have gone on
-    (["train.micro_batch_size=6"], "2:0:3",
+    (["train.micro_batch_size=6"], lambda: hooks.added(OutOfMemoryAt(2, 0, 3)),
      ["ran out of cpu memory with 6 sample(s) per micro-batch", "set train.micro_batch_size=auto"]),
     # auto, with no size small enough: 24, 12, 6, 3 and 1 sample(s) a pass all run out at step 2
-    (["train.micro_batch_size=auto"], "2:0",
+    (["train.micro_batch_size=auto"], lambda: hooks.added(OutOfMemoryAt(2, 0)),
      ["the process ran out of cpu memory at step 2 with 1 sample(s) per micro-batch, the smallest"]),
     # the optimizer step: its state does not depend on the micro-batch
     (["train.micro_batch_size=auto"], optimizer_runs_out,
      ["ran out of cpu memory in the optimizer step, which a smaller micro-batch does not help"]),
 ], ids=["fixed micro-batch", "auto below 1", "optimizer step"])
 def test_running_out_where_a_smaller_micro_batch_is_not_taken_or_does_not_help_stops_in_one_line(
-        tmp_path, monkeypatch, capsys, overrides, fault, words):
+        tmp_path, capsys, overrides, fault, words):
     from accel_train import cli
 
-    if callable(fault):
-        fault(monkeypatch)
-    else:
-        out_of_memory_at(fault, setattr=monkeypatch.setattr)
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(SystemExit) as stop, fault():
         cli.main(["train", *RUN, "train.max_steps=3", *overrides, f"output_dir={tmp_path}"])
     stderr = capsys.readouterr().err
     assert stop.value.code == 2, stderr

@@ -72,7 +72,7 @@ def test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_
 def test_resume_with_the_ema_on_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     run = [*RUN, "train.epochs=2", "train.ema_decay=0.8", "checkpoint.every_steps=1"]
     train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
-    crash_after_checkpoint_then_resume(monkeypatch, 3, *run, f"output_dir={tmp_path / 'resumed'}")
+    crash_after_checkpoint_then_resume(3, *run, f"output_dir={tmp_path / 'resumed'}")
     assert_same_run(tmp_path / "resumed", tmp_path / "reference", ("model.safetensors", "model_ema.safetensors"))
 
 
@@ -131,10 +131,11 @@ def test_mixing_needs_class_labels_and_file_backed_augmentation_needs_per_sample
 def test_trivial_augment_and_random_erasing_run_on_file_backed_training_images_only(tmp_path):
     from torchvision.transforms import v2
 
-    from accel_train.data import InMemoryImages, PerSampleImages, _imagefolder_transform
+    from accel_train.data.imagefolder import imagefolder_transform
+    from accel_train.data.in_memory import InMemoryImages, PerSampleImages
 
     config = load_config("imagefolder", ["data.trivial_augment=true", "data.random_erasing=0.25"])
-    train, evaluation = (_imagefolder_transform(config.data, train) for train in (True, False))
+    train, evaluation = (imagefolder_transform(config.data, train) for train in (True, False))
     assert {type(step) for step in train.transforms} >= {v2.TrivialAugmentWide, v2.RandomErasing}
     assert not {type(step) for step in evaluation.transforms} & {v2.TrivialAugmentWide, v2.RandomErasing}
     images = torch.randint(0, 256, (4, 1, 28, 28), dtype=torch.uint8)

@@ -1,6 +1,7 @@
 """Contracts of the loop's step boundaries, checked in-process (fast): when the host reads the device, when a
 checkpoint is saved, where a resumed run continues, what of metrics.jsonl it keeps."""
 
+import dataclasses
 import json
 import re
 import sys
@@ -9,10 +10,13 @@ from collections import Counter
 import pytest
 import torch
 
+from accel_train import hooks
 from accel_train.config import load_config
-from accel_train.launch.distributed import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
-from accel_train.run.checkpoint import Checkpoints, ResumePoint, resume_position
+from accel_train.data.in_memory import PerSampleImages
+from accel_train.distributed.signals import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
+from accel_train.run.checkpoint import Checkpoints, resume_position
 from accel_train.run.folder import lines_up_to
+from accel_train.state import Progress, ResumePoint
 from conftest import read_metrics, train_in_process
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
@@ -20,14 +24,28 @@ HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__",
 HOST_BY_DESIGN = ("torch/utils/data/", "accelerate/data_loader.py")
 
 
+class Where(hooks.Hooks):
+    """The optimizer step the loop is in (the last one taken), and whether it is evaluating: from a step's first
+    evaluation forward pass to the next training micro-batch."""
+
+    def __init__(self) -> None:
+        self.step, self.evaluating = 0, False
+
+    def optimizer_stepped(self, progress, terms, skipped, lr):
+        self.step = progress.step
+
+    def after_forward(self, phase, step, model, batch, outputs):
+        self.evaluating = self.evaluating or phase == "eval"
+        return outputs
+
+    def micro_batch_loaded(self, progress, batch):
+        self.evaluating = False
+
+
 @pytest.fixture
 def host_reads(monkeypatch):
     """Counts host reads of tensor values per optimizer step; evaluation is counted apart (it may read)."""
-    from torch.optim.lr_scheduler import LambdaLR
-
-    from accel_train.training import loop
-
-    where = {"step": 0, "evaluating": False}
+    where = Where()
     reads = Counter()
 
     def counted(name):
@@ -36,38 +54,14 @@ def host_reads(monkeypatch):
         def read(self, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
             if not any(part in caller for part in HOST_BY_DESIGN):
-                reads["eval" if where["evaluating"] else where["step"]] += 1
+                reads["eval" if where.evaluating else where.step] += 1
             return original(self, *args, **kwargs)
         return read
 
     for name in HOST_READS:
         monkeypatch.setattr(torch.Tensor, name, counted(name))
-    scheduler_step = LambdaLR.step
-
-    def step(self, *args, **kwargs):  # the prepared scheduler steps once per optimizer step
-        where["step"] += 1 if getattr(self, "_counting", False) else 0
-        return scheduler_step(self, *args, **kwargs)
-
-    build_scheduler = loop.build_scheduler
-
-    def counting_scheduler(*args, **kwargs):
-        scheduler = build_scheduler(*args, **kwargs)
-        scheduler._counting = True
-        return scheduler
-
-    evaluate = loop.evaluate
-
-    def evaluating(*args, **kwargs):
-        where["evaluating"] = True
-        try:
-            return evaluate(*args, **kwargs)
-        finally:
-            where["evaluating"] = False
-
-    monkeypatch.setattr(LambdaLR, "step", step)
-    monkeypatch.setattr(loop, "build_scheduler", counting_scheduler)
-    monkeypatch.setattr(loop, "evaluate", evaluating)
-    return reads
+    with hooks.added(where):
+        yield reads
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
@@ -95,24 +89,30 @@ def config_with(**checkpoint) -> Checkpoints:
     return Checkpoints(load_config("mnist_cnn", overrides), accelerator=None)  # scheduling needs no processes
 
 
+def saved_steps(checkpoints: Checkpoints, steps: int, last: int | None = None) -> list[int]:
+    """The steps checkpoints are due at in a run of 10 steps an epoch, its `last` step the run's end."""
+    progress = Progress(steps_per_epoch=10, total_steps=100)
+    due = []
+    for progress.step in range(1, steps + 1):
+        if checkpoints.due(progress, last=progress.step == last):
+            due.append(progress.step)
+    return due
+
+
 def test_saves_fall_every_n_steps_and_after_each_epochs_evaluation():
     every_4 = config_with(every_steps=4, at_epoch_end="false")
-    assert [step for step in range(1, 13) if every_4.due(step)] == [4, 8, 12]
-    assert not every_4.due_after_eval(10, last=False)  # an epoch end that every_steps does not hit
-    assert every_4.due_after_eval(12, last=False)  # one that it hits
-    assert every_4.due_after_eval(29, last=True)  # the run's end, whatever the step
+    assert saved_steps(every_4, 30) == [4, 8, 12, 16, 20, 24, 28]  # not at the epoch ends 10, 30 that it misses
+    assert saved_steps(every_4, 30, last=29) == [4, 8, 12, 16, 20, 24, 28, 29]  # the run's end, whatever the step
     at_epoch_end = config_with(at_epoch_end="true")
-    assert not any(at_epoch_end.due(step) for step in range(1, 50))
-    assert at_epoch_end.due_after_eval(7, last=False)
+    assert saved_steps(at_epoch_end, 30) == [10, 20, 30]
+    assert saved_steps(at_epoch_end, 30, last=7) == [7, 10, 20, 30]  # early stopping, or max_steps mid-epoch
     never = config_with(at_epoch_end="false")
-    assert not never.due_after_eval(10, last=True) and not any(never.due(step) for step in range(1, 50))
+    assert saved_steps(never, 30, last=10) == []
 
 
 @pytest.mark.parametrize("meta, position", [
     ({"epoch": 1, "batches_done_in_epoch": 4, "steps_per_epoch": 10, "evaluated": False}, (1, 4)),  # mid-epoch
     ({"epoch": 1, "batches_done_in_epoch": 10, "steps_per_epoch": 10, "evaluated": True}, (2, 0)),  # epoch done
-    # saved at an epoch's last step before its evaluation (a signal there): that epoch's evaluation still runs
-    ({"epoch": 1, "batches_done_in_epoch": 10, "steps_per_epoch": 10, "evaluated": False}, (1, 10)),
     ({"epoch": 0, "batches_done_in_epoch": 3, "steps_per_epoch": 10, "evaluated": True}, (0, 3)),  # max_steps end
 ])
 def test_resume_continues_at_the_batch_after_the_checkpoint(meta, position):
@@ -165,7 +165,6 @@ def test_the_train_meter_state_round_trips_bit_for_bit():
 
 def test_a_checkpoint_restores_every_stateful_part_by_name_and_one_of_the_previous_layout_too(tmp_path):
     from accel_train.run.checkpoint import _read_loop_state
-    from accel_train.state import Progress
 
     meta = {"step": 12, "epoch": 1, "metrics": {"accuracy": 0.5}}
     progress = Progress(steps_per_epoch=10, total_steps=30, step=12, last_eval={"accuracy": 0.5})
@@ -185,14 +184,13 @@ def test_a_checkpoint_restores_every_stateful_part_by_name_and_one_of_the_previo
         "progress": {"step": 12, "last_eval": {"accuracy": 0.5}, "elapsed_s": 7.5}}
 
 
-def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(monkeypatch):
+def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints():
     from accelerate import Accelerator
 
-    from accel_train.training import meter as meter_module
+    from accel_train.training.meter import TrainMeter
 
     clock = {"now": 100.0}
-    monkeypatch.setattr(meter_module.time, "perf_counter", lambda: clock["now"])
-    meter = meter_module.TrainMeter(Accelerator(cpu=True), global_batch=32)
+    meter = TrainMeter(Accelerator(cpu=True), global_batch=32, clock=lambda: clock["now"])
     for _ in range(4):  # 4 steps of 0.5 s each
         clock["now"] += 0.5
         meter.update({"loss": torch.tensor(1.0)}, skipped=torch.tensor(0.0))
@@ -201,36 +199,38 @@ def test_samples_per_s_counts_training_time_only_not_evaluation_or_checkpoints(m
     assert meter.compute()["samples_per_s"] == pytest.approx(4 * 32 / 2.0)
 
 
+class Moved(hooks.Hooks):
+    """The process's clock (time.perf_counter, which the meter reads) runs `lost` seconds ahead: each evaluation
+    batch and each checkpoint moves it on by `cost` seconds. Nothing sleeps."""
+
+    def __init__(self, monkeypatch, cost: float) -> None:
+        import time
+
+        self.lost, self.cost, self.saved_at = 0.0, cost, []
+        perf_counter = time.perf_counter
+        monkeypatch.setattr(time, "perf_counter", lambda: perf_counter() + self.lost)
+
+    def after_forward(self, phase, step, model, batch, outputs):
+        self.lost += self.cost if phase == "eval" else 0
+        return outputs
+
+    def checkpoint_saving(self, progress):
+        self.lost += self.cost
+        self.saved_at.append(progress.step)
+
+
 def test_samples_per_s_of_a_training_run_leaves_out_its_evaluations_and_checkpoints(tmp_path, monkeypatch):
-    """The loop, not only the meter: every evaluation and every checkpoint of this run costs 1000 s on the meter's
-    clock (the clock is moved, nothing sleeps), and each train line's interval holds both. A line that counted
-    them would report at most 4 steps x 12 samples / 1000 s."""
-    import time
-    from types import SimpleNamespace
-
-    from accel_train.training import loop, meter
-
-    lost, saved_at = {"s": 0.0}, []
-    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + lost["s"]))
-    evaluate, save = loop.evaluate, Checkpoints.save
-
-    def slow_evaluate(accelerator, model, task, loader, *args, **kwargs):
-        lost["s"] += 1000
-        return evaluate(accelerator, model, task, loader, *args, **kwargs)
-
-    def slow_save(self, progress, *args, **kwargs):
-        lost["s"] += 1000
-        saved_at.append(progress.step)
-        return save(self, progress, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
-    monkeypatch.setattr(Checkpoints, "save", slow_save)
+    """The loop, not only the meter: every evaluation (one batch) and every checkpoint of this run costs 1000 s on the
+    meter's clock, and each train line's interval holds both. A line that counted them would report at most 4 steps
+    x 12 samples / 1000 s."""
+    moved = Moved(monkeypatch, cost=1000)
     # 8 steps per epoch, 2 epochs: train lines at 4, 8, 12, 16; evaluations at 3, 6, 8, 9, 12, 15, 16; saves every 2
-    train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=12",
-                     "train.batch_size=12", "train.eval_batch_size=12", "train.epochs=2", "train.log_every_steps=4",
-                     "train.eval_every_steps=3", "checkpoint.every_steps=2", "train.plot=false",
-                     f"output_dir={tmp_path}")
-    lines = read_metrics(tmp_path, "train")
+    with hooks.added(moved):
+        train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=12",
+                         "train.batch_size=12", "train.eval_batch_size=12", "train.epochs=2",
+                         "train.log_every_steps=4", "train.eval_every_steps=3", "checkpoint.every_steps=2",
+                         "train.plot=false", f"output_dir={tmp_path}")
+    lines, saved_at = read_metrics(tmp_path, "train"), moved.saved_at
     evaluated_at = [line["step"] for line in read_metrics(tmp_path, "test")]
     assert [line["step"] for line in lines] == [4, 8, 12, 16]
     for start in (0, 4, 8, 12):  # what happens at a line's step comes after the line: it counts towards the next
@@ -239,14 +239,13 @@ def test_samples_per_s_of_a_training_run_leaves_out_its_evaluations_and_checkpoi
     assert all(line["samples_per_s"] > 1.0 for line in lines), [line["samples_per_s"] for line in lines]
 
 
-def test_data_wait_is_the_share_of_training_time_spent_waiting_for_batches(monkeypatch):
+def test_data_wait_is_the_share_of_training_time_spent_waiting_for_batches():
     from accelerate import Accelerator
 
-    from accel_train.training import meter as meter_module
+    from accel_train.training.meter import TrainMeter
 
     clock = {"now": 100.0}
-    monkeypatch.setattr(meter_module.time, "perf_counter", lambda: clock["now"])
-    meter = meter_module.TrainMeter(Accelerator(cpu=True), global_batch=32)
+    meter = TrainMeter(Accelerator(cpu=True), global_batch=32, clock=lambda: clock["now"])
 
     def batches():
         for _ in range(4):
@@ -267,25 +266,30 @@ def test_a_run_that_waits_for_data_says_so_in_its_lines_its_summary_and_one_warn
         tmp_path, monkeypatch, capsys):
     """Every sample of the file-backed path costs 1 s on the meter's clock (the clock is moved, nothing sleeps):
     nearly all of each train line's time is waiting. Evaluation samples cost it too, and must not count."""
-    import time
-    from types import SimpleNamespace
+    moved = Moved(monkeypatch, cost=0)
 
-    from accel_train.training import meter
-    from accel_train import data
+    class SlowSamples(torch.utils.data.Dataset):
+        def __init__(self, samples) -> None:
+            self.samples = samples
 
-    lost = {"s": 0.0}
-    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + lost["s"]))
-    getitems = data.KeyedSamples.__getitems__
+        def __len__(self) -> int:
+            return len(self.samples)
 
-    def slow_getitems(self, indices):
-        lost["s"] += len(indices)
-        return getitems(self, indices)
+        def __getitem__(self, index):
+            moved.lost += 1
+            return self.samples[index]
 
-    monkeypatch.setattr(data.KeyedSamples, "__getitems__", slow_getitems)
-    train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=12",
-                     "train.batch_size=12", "train.eval_batch_size=12", "train.epochs=1", "train.log_every_steps=2",
-                     "data.on_device=false", "data.num_workers=0", "train.plot=false", "train.progress_bar=false",
-                     f"output_dir={tmp_path}")
+    class EverySampleSlow(hooks.Hooks):
+        """The file-backed path's samples (what make_loader would serve: PerSampleImages), each 1 s late."""
+
+        def data_built(self, data, split):
+            return dataclasses.replace(data, dataset=SlowSamples(PerSampleImages(data.dataset)))
+
+    with hooks.added(moved, EverySampleSlow()):
+        train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=12",
+                         "train.batch_size=12", "train.eval_batch_size=12", "train.epochs=1", "train.log_every_steps=2",
+                         "data.on_device=false", "data.num_workers=0", "train.plot=false", "train.progress_bar=false",
+                         f"output_dir={tmp_path}")
     waits = [line["data_wait"] for line in read_metrics(tmp_path, "train")]
     assert len(waits) == 4 and all(0.9 < wait <= 1.0 for wait in waits), waits  # 12 s of waiting a step
     printed = capsys.readouterr()

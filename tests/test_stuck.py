@@ -1,6 +1,6 @@
-"""A stuck process is named (run/watchdog.py): when no micro-batch has passed for train.stuck_after_s, every live
-process writes its stacks to output_dir/stuck/, the main process says in one line which process stopped (its host,
-the step, the function it is blocked in) and that the others waited for it, and every process exits 6. Under
+"""A stuck process is named (distributed/watchdog.py): when no micro-batch has passed for train.stuck_after_s, every
+live process writes its stacks to output_dir/stuck/, the main process says in one line which process stopped (its
+host, the step, the function it is blocked in) and that the others waited for it, and every process exits 6. Under
 --max_restarts the launcher restarts the group and resume=auto continues from the newest checkpoint.
 
 A worker is blocked on purpose inside a user dataset's __getitem__ (tests/user_code/user_models.py: BlockingPoints,
@@ -20,10 +20,10 @@ from test_checkpoint import wait_for
 from test_data_paths import USER_RECIPE
 
 import accel_train
+from accel_train import hooks
 from accel_train.config import load_config
-from accel_train.errors import UserError
 from accel_train.distributed import watchdog
-from accel_train.run.checkpoint import Checkpoints
+from accel_train.errors import UserError
 from conftest import read_metrics, start_launch
 
 BOUND_S = 3  # train.stuck_after_s of the launched run
@@ -123,7 +123,23 @@ def train_paced(tmp_path, train_data: Paced, eval_data: Paced, *overrides: str, 
                              model=SlowFirstForward(first_s), train_dataset=train_data, eval_dataset=eval_data)
 
 
-def test_a_single_process_that_stops_names_itself_and_ends_with_exit_6(tmp_path, monkeypatch, capsys):
+class Ends(hooks.Hooks):
+    """A stuck process's end, noted instead of ending this test's process; and a slow first checkpoint, if asked."""
+
+    def __init__(self, when_ended=None, first_save_s: float = 0.0) -> None:
+        self.ended, self.when_ended, self.first_save_s = [], when_ended, first_save_s
+
+    def process_ends(self, code):
+        self.ended.append(code)
+        if self.when_ended:
+            self.when_ended(code)
+        return False
+
+    def checkpoint_saving(self, progress):
+        time.sleep(self.first_save_s if progress.step == 2 else 0)
+
+
+def test_a_single_process_that_stops_names_itself_and_ends_with_exit_6(tmp_path, capsys):
     ended = []
     # Batch 12 at 1 process; the model is built from one sample, and the loader reads a batch ahead: the 40th call
     # is read for step 4 while step 3 trains. The first step of a start is not timed.
@@ -133,8 +149,8 @@ def test_a_single_process_that_stops_names_itself_and_ends_with_exit_6(tmp_path,
         ended.append((code, read_metrics(tmp_path, "train")[-1]["step"] + 1))
         train_data.released.set()
 
-    monkeypatch.setattr(watchdog, "end_process", end_process)
-    train_paced(tmp_path, train_data, Paced(20, 1), "train.stuck_after_s=0.5")
+    with hooks.added(Ends(end_process)):
+        train_paced(tmp_path, train_data, Paced(20, 1), "train.stuck_after_s=0.5")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("accel-train: process")]
     (code, in_step), = ended
     assert code == 6 and len(lines) == 1, lines
@@ -145,21 +161,15 @@ def test_a_single_process_that_stops_names_itself_and_ends_with_exit_6(tmp_path,
     assert re.search(r'File ".*test_stuck\.py", line \d+ in __getitem__', stacks), stacks
 
 
-def test_a_long_evaluation_checkpoint_save_or_first_step_is_not_taken_for_a_stuck_process(tmp_path, monkeypatch):
+def test_a_long_evaluation_checkpoint_save_or_first_step_is_not_taken_for_a_stuck_process(tmp_path):
     # Each lasts 1.2 s, past train.stuck_after_s=0.8: the evaluation in batches that keep coming, the save and the
     # first step of the start untimed. Steps: 2 an epoch, 2 epochs, an evaluation and a save after each.
-    ended, save = [], Checkpoints.save
-    monkeypatch.setattr(watchdog, "end_process", ended.append)
-
-    def slow_first_save(self, progress, *args, **kwargs):
-        time.sleep(1.2 if progress.step == 2 else 0)
-        return save(self, progress, *args, **kwargs)
-
-    monkeypatch.setattr(Checkpoints, "save", slow_first_save)
+    ends = Ends(first_save_s=1.2)
     eval_data = Paced(20, 1, pause=lambda call: 0.12 if call <= 20 else 0.0)  # the first evaluation: 10 batches
-    metrics = train_paced(tmp_path, Paced(24, 0), eval_data, "train.epochs=2", "train.eval_batch_size=2",
-                          "train.stuck_after_s=0.8", first_s=1.2)
-    assert ended == [] and not (tmp_path / "stuck").exists()
+    with hooks.added(ends):
+        metrics = train_paced(tmp_path, Paced(24, 0), eval_data, "train.epochs=2", "train.eval_batch_size=2",
+                              "train.stuck_after_s=0.8", first_s=1.2)
+    assert ends.ended == [] and not (tmp_path / "stuck").exists()
     assert metrics["num_samples"] == 20 and [line["step"] for line in read_metrics(tmp_path, "test")] == [2, 4]
 
 

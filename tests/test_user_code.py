@@ -178,7 +178,7 @@ def test_a_user_model_resumes_exactly(tmp_path, monkeypatch):
            "model.args.width=8"]
     train_in_process(recipe, *run, f"output_dir={tmp_path / 'reference'}")
     # step 8: epoch 0, in the middle of the train line at step 9
-    crash_after_checkpoint_then_resume(monkeypatch, 8, recipe, *run, f"output_dir={tmp_path / 'resumed'}")
+    crash_after_checkpoint_then_resume(8, recipe, *run, f"output_dir={tmp_path / 'resumed'}")
     assert_same_run(tmp_path / "resumed", tmp_path / "reference")
 
 

@@ -129,32 +129,18 @@ def test_nonfinite_stop_exits_5_and_saves_nothing_after_the_step_before(tmp_path
     assert saved_steps(tmp_path) == [1] and not (tmp_path / "model.safetensors").exists()
 
 
-def nan_loss_at(monkeypatch, step: int) -> None:
-    """The classification loss turns NaN at optimizer step `step` (in this process; no accumulation)."""
-    from accel_train.workloads.tasks import TASKS
-
-    task = TASKS.get("classification")
-    training_step, calls = task.training_step, {"steps": 0}
-
-    def poisoned(self, model, batch):
-        terms = training_step(self, model, batch)
-        calls["steps"] += 1
-        return {**terms, "loss": terms["loss"] * math.nan} if calls["steps"] == step else terms
-
-    monkeypatch.setattr(task, "training_step", poisoned)
-
-
 # 4 steps, a train line at the last only: the non-finite step 2 falls between train lines, right before a
 # checkpoint (a save every step) or an evaluation (every 2 steps), and only the guard's check there stops it.
 @pytest.mark.parametrize("boundary", [["checkpoint.every_steps=1", "checkpoint.keep_last=10"],
                                       ["train.eval_every_steps=2", "checkpoint.at_epoch_end=false"]],
                          ids=["checkpoint", "evaluation"])
 def test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation(
-        tmp_path, monkeypatch, boundary):
+        tmp_path, boundary):
+    from accel_train import hooks
     from accel_train.errors import NonFiniteError
+    from support.faults import NonFinite
 
-    nan_loss_at(monkeypatch, 2)
-    with pytest.raises(NonFiniteError) as stopped:
+    with pytest.raises(NonFiniteError) as stopped, hooks.added(NonFinite(2, 0)):  # the loss of step 2 in this process
         train_in_process("mnist_cnn", f"output_dir={tmp_path}", *SYNTHETIC, "train.batch_size=12", "train.max_steps=4",
                          "train.log_every_steps=100", *boundary)
     assert "at step 2" in str(stopped.value) and "every process stopped without applying" in str(stopped.value)

@@ -51,7 +51,7 @@ def test_tensorboard_holds_the_scalars_of_metrics_jsonl_at_their_steps_also_afte
     monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(8))
     # The run dies after its step-8 checkpoint and is resumed from step 6: what it logged at steps 7 and 8
     # must not stay twice in TensorBoard (nor in metrics.jsonl).
-    crash_after_checkpoint_then_resume(monkeypatch, 8, *RUN, "train.epochs=2", "checkpoint.every_steps=4",
+    crash_after_checkpoint_then_resume(8, *RUN, "train.epochs=2", "checkpoint.every_steps=4",
                                        f"output_dir={out}", "train.progress_every_s=0.001",
                                        resume=str(out / "checkpoints" / "step-00000006"))
     events = EventAccumulator(str(out / "trackers" / "accel-train"))

@@ -6,8 +6,8 @@ backward pass of a step's last micro-batch, and the non-finite guard reduces a f
 out of memory in a forward or backward pass never enters them, and the others would wait for it until
 train.collective_timeout_s. So every micro-batch of an adaptive step runs forward and backward under no_sync (no
 all-reduce), catching the out-of-memory error; then the processes agree over the CPU group whether any ran out (one
-all-reduce of a flag a process, no device read: distributed/collectives.py); then either all average their gradients once
-and the loop clips, guards and steps as usual, or all drop their gradients, free memory, halve the micro-batch and
+all-reduce of a flag a process, no device read: distributed/collectives.py); then either all average their gradients
+once and the loop clips, guards and steps as usual, or all drop their gradients, free memory, halve the micro-batch and
 run the step again. Single process: no agreement, the same catch and redo. Under FSDP (sharded gradients, gathers
 inside forward) nothing is redone: running out stops the run in one line, as with a fixed micro-batch.
 

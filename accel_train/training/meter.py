@@ -18,15 +18,16 @@ class TrainMeter:
     the same steps, in the same order, as the uninterrupted run's line does.
     """
 
-    def __init__(self, accelerator: Accelerator, global_batch: int) -> None:
+    def __init__(self, accelerator: Accelerator, global_batch: int, clock=None) -> None:
         self.accelerator, self.global_batch = accelerator, global_batch
+        self.clock = clock or time.perf_counter  # seconds
         self.names: list[str] = []
         self._reset()
 
     def _reset(self) -> None:
         self.sums: torch.Tensor | None = None
         self.counted = torch.zeros((), device=self.accelerator.device)  # steps in the sums (skipped ones are not)
-        self.steps, self.started = 0, time.perf_counter()  # every step since the clock started, for samples/s
+        self.steps, self.started = 0, self.clock()  # every step since the clock started, for samples/s
         self.waited = 0.0  # seconds spent waiting for the next batch since the clock started
 
     def update(self, terms: dict[str, torch.Tensor], skipped: torch.Tensor) -> None:
@@ -46,27 +47,27 @@ class TrainMeter:
         """
         iterator = iter(batches)
         while True:
-            asked = time.perf_counter()
+            asked = self.clock()
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
-            self.waited += time.perf_counter() - asked
+            self.waited += self.clock() - asked
             yield batch
 
     @contextmanager
     def paused(self):
         """Time inside (evaluation, checkpoints) does not count towards samples_per_s."""
-        paused_at = time.perf_counter()
+        paused_at = self.clock()
         try:
             yield
         finally:
-            self.started += time.perf_counter() - paused_at
+            self.started += self.clock() - paused_at
 
     def compute(self) -> dict[str, float]:
         """Averages over all processes and the steps since the last line (a collective: one host read)."""
         logs = {}
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.clock() - self.started
         waiting = min(1.0, self.waited / elapsed) if elapsed > 0 else 0.0
         if self.sums is not None:
             # One gather for both: the terms' mean over processes, and the longest wait (the others wait for it).

@@ -42,15 +42,15 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("per-process reseed dropped (every process draws the same dropout masks)",
-             "accel_train/training/loop.py", "set_seed(config.seed, device_specific=True)", "set_seed(config.seed)",
+             "accel_train/training/setup.py", "set_seed(config.seed, device_specific=True)", "set_seed(config.seed)",
              ("tests/test_checkpoint.py::test_dropout_draws_differ_per_process",)),
     Mutation("split_batches off (batch_size per process instead of global)",
-             "accel_train/launch/distributed.py", "split_batches=True", "split_batches=False",
+             "accel_train/distributed/accelerator.py", "split_batches=True", "split_batches=False",
              ("tests/test_equivalence.py::test_n_processes_with_batch_b_end_with_the_weights_of_one_process_with_batch_nb",)),
     Mutation("skip_first_batches skipped (a resumed epoch starts from its first batch)",
-             "accel_train/training/loop.py",
-             "micro_batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader",
-             "micro_batches = train_loader",
+             "accel_train/training/steps.py",
+             "micro_batches = self.accelerator.skip_first_batches(self.loader, micro_batches_done)",
+             "micro_batches = self.loader",
              ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
     Mutation("gather instead of gather_for_metrics (eval counts the last batch's padding)",
              "accel_train/training/evaluation.py", "accelerator.gather_for_metrics(outputs)",
@@ -64,21 +64,21 @@ MUTATIONS = [
              ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",
               "tests/test_checkpoint.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
     Mutation("SIGTERM ignored (not handled: the process dies without saving)",
-             "accel_train/launch/distributed.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)",
+             "accel_train/distributed/signals.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)",
              "HANDLED = (signal.SIGINT,)",
              ("tests/test_checkpoint.py::-k single_process",)),
     Mutation("stop signal decided without the all-reduce (each process decides alone)",
-             "accel_train/launch/distributed.py",
+             "accel_train/distributed/signals.py",
              "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))",
              "pass",
              ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
     Mutation("scheduler stepped twice per optimizer step",
-             "accel_train/training/loop.py", "                scheduler.step()\n",
-             "                scheduler.step()\n                scheduler.step()\n",
+             "accel_train/training/loop.py", "                run.scheduler.step()\n",
+             "                run.scheduler.step()\n                run.scheduler.step()\n",
              ("tests/test_equivalence.py::test_learning_rate_at_every_step_is_the_same_at_1_2_and_3_processes",)),
     Mutation("world-size guard dropped (N processes that formed no group run alone)",
-             "accel_train/launch/distributed.py", "if expected is not None and expected != accelerator.num_processes:",
-             "if False:",
+             "accel_train/distributed/accelerator.py",
+             "if launcher.world_size is not None and launcher.world_size != accelerator.num_processes:", "if False:",
              ("tests/test_distributed.py::test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alone",)),
     Mutation("train line not averaged over processes (process 0's loss only)",
              "accel_train/training/meter.py", "every[:, :-1].mean(0)", "every[0, :-1]",
@@ -89,11 +89,12 @@ MUTATIONS = [
              ("tests/test_vae.py::test_on_nonfinite_skip_leaves_the_weights_of_the_skipped_step_untouched_and_trains_on",)),
     Mutation("no checkpoint saved on a stop signal",
              "accel_train/training/loop.py",
-             "raise Preempted(signals.stop_message(progress.step, save(evaluated=False)))",
-             'raise Preempted(signals.stop_message(progress.step, "nowhere"))',
+             "                if stopping or run.checkpoints.due(progress, last=stop_early or progress.finished):\n",
+             '                saved = "nowhere"\n'
+             "                if run.checkpoints.due(progress, last=stop_early or progress.finished):\n",
              ("tests/test_checkpoint.py::-k single_process",)),
     Mutation("a second signal cuts the save short (Python's Ctrl-C comes back after the first)",
-             "accel_train/launch/distributed.py", "            self.received = signal.Signals(signum).name\n",
+             "accel_train/distributed/signals.py", "            self.received = signal.Signals(signum).name\n",
              "            self.received = signal.Signals(signum).name\n"
              "            signal.signal(signal.SIGINT, signal.default_int_handler)\n",
              ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
@@ -104,7 +105,7 @@ MUTATIONS = [
              "accel_train/workloads/models.py", "        model.compile()\n", "        pass\n",
              ("tests/test_speed_switches.py",)),
     Mutation("train.collective_timeout_s not passed to the process group (torch's default applies)",
-             "accel_train/launch/distributed.py",
+             "accel_train/distributed/accelerator.py",
              "kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],",
              "kwargs_handlers=[],",
              ("tests/test_checkpoint.py::test_a_hung_process_fails_the_others_at_collective_timeout_s",)),
@@ -114,14 +115,14 @@ MUTATIONS = [
              '(meta["epoch"], 0)',
              ("tests/test_world_size_resume.py::test_a_resume_at_another_world_size_trains_the_same_global_batches_at_the_same_lr",)),
     Mutation("seedable sampler off (data order no longer a function of seed and epoch alone)",
-             "accel_train/launch/distributed.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
+             "accel_train/distributed/accelerator.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
              ("tests/test_equivalence.py::test_shuffling_is_a_function_of_seed_and_epoch",
               "tests/test_equivalence.py::test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs")),
     Mutation("doctor takes whatever accepts a connection on the main port for machine 0's rendezvous",
-             "accel_train/tools/doctor.py", "why = store_answers(address, port, timeout)", "why = None",
+             "accel_train/launch/doctor.py", "why = store_answers(address, port, timeout)", "why = None",
              ("tests/test_doctor.py::test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_the_main_nodes_rendezvous",)),
     Mutation("eval and resume take any setting, whatever the run was trained with",
-             "accel_train/config.py", "    found = contradictions(recorded, config)\n", "    found = []\n",
+             "accel_train/config/compatibility.py", "    found = contradictions(recorded, config)\n", "    found = []\n",
              ("tests/test_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
     Mutation("the checkpoint line printed over the progress bar",
              "accel_train/run/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
@@ -138,27 +139,27 @@ MUTATIONS = [
     # train line first; with the non-finite step between train lines, this check alone keeps it out of a save.
     Mutation("no guard check before a save (a checkpoint written past a non-finite step)",
              "accel_train/training/loop.py",
-             "guard.check(progress)  # never save past a non-finite step (stop policy)", "pass",
+             "run.guard.check(run.progress)  # never save past a non-finite step (stop policy)", "pass",
              ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
     # loop.py, validate(): the same check before an evaluation (its metrics line, model selection, early stop).
     Mutation("no guard check before an evaluation (metrics of a step past a non-finite one)",
-             "accel_train/training/loop.py", "guard.check(progress)  # nothing is evaluated past a non-finite step",
-             "pass",
+             "accel_train/training/loop.py",
+             "run.guard.check(run.progress)  # nothing is evaluated past a non-finite step", "pass",
              ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
     # ema.py, WeightsEMA.update: the average taken after each optimizer step (the first copies the weights).
     Mutation("the EMA update skipped (model_ema keeps the initial weights)",
              "accel_train/training/ema.py", "self.averaged.update_parameters(self.accelerator.unwrap_model(model))",
              "pass",
              ("tests/test_regularisation.py::test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_model",)),
-    # loop.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
+    # setup.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
     # and divides the loss by, one more than the micro-batches the loader cuts a step's batch into.
     Mutation("the accumulation boundary off by one (an optimizer step every accumulation + 1 micro-batches)",
-             "accel_train/training/loop.py", "accelerator.gradient_accumulation_steps = accumulation",
+             "accel_train/training/setup.py", "accelerator.gradient_accumulation_steps = accumulation",
              "accelerator.gradient_accumulation_steps = accumulation + 1",
              ("tests/test_accumulation.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
-    # data.py, hold_out_validation: the training set is what is left after the held-out samples.
+    # data/validation.py, hold_out_validation: the training set is what is left after the held-out samples.
     Mutation("the validation split overlapping the training set (held-out samples trained on)",
-             "accel_train/workloads/data.py",
+             "accel_train/data/validation.py",
              "held, kept = order[:count].sort().values, order[count:].sort().values",
              "held, kept = order[:count].sort().values, order.sort().values",
              ("tests/test_regularisation.py::test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented",)),
@@ -167,37 +168,37 @@ MUTATIONS = [
              "accel_train/training/prediction.py", "found[index] = (labels, scores)",
              "found[(index + 1) % len(files)] = (labels, scores)",
              ("tests/test_user_code.py::test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file",)),
-    # data.py, sample_keys: the epoch in the key of a sample's crop and flip.
+    # data/keyed.py, sample_keys: the epoch in the key of a sample's crop and flip.
     Mutation("the augmentation key ignores the epoch (sample_keys)",
-             "accel_train/workloads/data.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
+             "accel_train/data/keyed.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
              "offset = ((seed * 1_000_003 + 1) * 0x5851F42D4C957F2D) % 2**64",
              ("tests/test_data_paths.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
               "tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
-    # data.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
+    # data/loaders.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
     # reaches only the seedable sampler).
     Mutation("the augmentation key ignores the epoch (the loop never hands the epoch to the on-device dataset)",
-             "accel_train/workloads/data.py", "loader.dataset.set_epoch(epoch, seed)",
+             "accel_train/data/loaders.py", "loader.dataset.set_epoch(epoch, seed)",
              "loader.dataset.set_epoch(0, seed)",
              ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
-    # data.py, KeyedSamples: the epoch in the key that seeds each sample's transforms wherever a DataLoader serves
+    # data/keyed.py, KeyedSamples: the epoch in the key that seeds each sample's transforms wherever a DataLoader serves
     # samples one by one (ImageFolder, data.on_device=false, a user's dataset); sample_keys itself stays whole.
     Mutation("the per-sample key ignores the epoch (per-sample transforms: KeyedSamples)",
-             "accel_train/workloads/data.py", "keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()",
+             "accel_train/data/keyed.py", "keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()",
              "keys = sample_keys(torch.as_tensor(indices), 0, seed).tolist()",
              ("tests/test_data_paths.py::test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch",)),
-    # writer.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
+    # run/folder.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
     Mutation("starts.jsonl records no world size (a job that lost a machine looks like one that did not)",
-             "accel_train/run/writer.py", '"world_size": self.launch_info["world_size"], ', "",
+             "accel_train/run/folder.py", '"world_size": state.launch["world_size"], ', "",
              ("tests/test_elastic.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
               "finishes[killed]",)),
-    # watchdog.py, Watchdog._watch: the bound that makes every process dump its stacks and the main one name the
+    # distributed/watchdog.py, Watchdog._watch: the bound that makes every process dump its stacks and the main one name the
     # stopped process; without it the others wait in their collective until train.collective_timeout_s.
     Mutation("a stuck process is never named (the watchdog never fires)",
-             "accel_train/run/watchdog.py", "            if idle > self.bound:", "            if False:",
+             "accel_train/distributed/watchdog.py", "            if idle > self.bound:", "            if False:",
              ("tests/test_stuck.py::test_a_blocked_worker_is_named_with_its_host_step_and_function_and_the_restarted_"
               "run_resumes",
               "tests/test_stuck.py::test_a_single_process_that_stops_names_itself_and_ends_with_exit_6")),
-    # settings.py, add_arguments: accelerate launch takes one number of machines; a range asks for torchrun.
+    # launch/settings.py, add_arguments: accelerate launch takes one number of machines; a range asks for torchrun.
     Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
              "accel_train/launch/settings.py", 'parser.add_argument("--num_machines", type=machine_count)',
              'parser.add_argument("--num_machines", type=int)',
@@ -205,25 +206,26 @@ MUTATIONS = [
               "the_elastic_torchrun_command",)),
     # meter.py, timed: the wait for each batch is what data_wait reports.
     Mutation("the wait for a batch not counted (data_wait always 0, no warning for a slow input)",
-             "accel_train/training/meter.py", "self.waited += time.perf_counter() - asked", "pass",
+             "accel_train/training/meter.py", "self.waited += self.clock() - asked", "pass",
              ("tests/test_step_boundaries.py::-k data_wait or waits_for_data",)),
     # layout.py, read_jsonl: only a last line cut short is skipped; a damaged one before others is named.
     Mutation("a damaged metrics.jsonl line in the middle skipped silently",
              "accel_train/run/layout.py", "if any(later.strip() for later in texts[number:]):", "if False:",
              ("tests/test_watching.py::-k damaged",)),
-    # observers.py, leaving_room_for_an_echo: the terminal's "^C" echo must fit beside the bar.
+    # run/display.py, leaving_room_for_an_echo: the terminal's "^C" echo must fit beside the bar.
     Mutation("a bar as wide as the terminal (Ctrl-C's echo wraps and leaves a stale bar)",
-             "accel_train/run/observers.py", "return (max(1, columns - 2) if columns else columns), rows",
+             "accel_train/run/display.py", "return (max(1, columns - 2) if columns else columns), rows",
              "return columns, rows", ("tests/test_watching.py::-k ctrl_c",)),
     # loop.py: the observers close however training ends, so a stop line starts a line of its own.
     Mutation("the bar left open when a signal stops the run (the stop line starts at the bar's end)",
-             "accel_train/training/loop.py", "as signals, observers, \\\n", "as signals, \\\n",
+             "accel_train/training/loop.py", "run.observers as observers, run.watchdog:\n",
+             "run.watchdog:\n        observers = run.observers\n",
              ("tests/test_watching.py::-k ctrl_c",)),
-    # distributed.py, processes_where: with micro_batch_size=auto, whether any process ran out of memory in a step,
+    # distributed/collectives.py, processes_where: with micro_batch_size=auto, whether any process ran out of memory in a step,
     # agreed over the CPU group. Without it the process that ran out halves its micro-batch alone: the others never
     # learn of it, so no warning, no record, and the checkpoint keeps the micro-batch that ran out.
     Mutation("processes do not agree that one ran out of memory (micro_batch_size=auto: it halves alone)",
-             "accel_train/launch/distributed.py",
+             "accel_train/distributed/collectives.py",
              "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(timeout_s))", "pass",
              ("tests/test_out_of_memory.py::test_one_process_running_out_makes_every_process_redo_the_step_with_half_"
               "the_micro_batch",)),
@@ -243,9 +245,9 @@ MUTATIONS = [
     Mutation("the sampler not seeded (the same seed samples other values)",
              "accel_train/sweep/study.py", "TPESampler(seed=trial_seed(seed, len(study.trials)),",
              "TPESampler(seed=None,", ("tests/test_sweep.py::-k same_seed_samples",)),
-    # config.py: train.lr_base computes train.lr from the global batch.
+    # config/recipes.py: train.lr_base computes train.lr from the global batch.
     Mutation("train.lr_base ignored (train.lr stays the recipe's at any batch size)",
-             "accel_train/config.py", "    _resolve_lr(config.train, lr_given=",
+             "accel_train/config/recipes.py", "    _resolve_lr(config.train, lr_given=",
              "    (lambda *a, **k: None)(config.train, lr_given=",
              ("tests/test_cli_and_config.py::-k lr_base",)),
 ]
