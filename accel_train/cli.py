@@ -237,7 +237,7 @@ def _run(args: argparse.Namespace) -> None:
 
         sys.exit(run(args))
     if args.command in ("runs", "plot"):
-        return _look(args)
+        return _show_runs(args)
     if args.command == "keys":
         recipe, overrides = _recipe_or_override(args.recipe, args.overrides)
         values = load_config(recipe if recipe is not None else Config(), overrides) if recipe or overrides else None
@@ -304,7 +304,7 @@ def _described(metrics: dict) -> str:
     return f"{metrics.get('num_samples', '?')} samples on {metrics['num_processes']} process(es): {shown}"
 
 
-def _look(args: argparse.Namespace) -> None:
+def _show_runs(args: argparse.Namespace) -> None:
     """`runs` and `plot`: read run folders only (no torch)."""
     from pathlib import Path
 

@@ -18,9 +18,9 @@ MEANING_KEYS = ("task", "data.name", "data.num_classes", "data.image_size", "dat
 
 def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]:
     """(key, recorded value, value in `config`) for each key that decides what trained weights mean
-    (MEANING_KEYS, model.*) on which `config` differs from a run's recorded config. Keys the record lacks (a run
-    of an older version) are not compared, nor those an object given in Python stands in for (<module.Class>):
-    that object is the caller's to match."""
+    (MEANING_KEYS, model.*) on which `config` differs from a run's recorded config. Keys the record lacks are not
+    compared, nor those an object given in Python stands in for (<module.Class>): that object is the caller's to
+    match."""
     def settings(tree: dict) -> dict[str, Any]:  # section.key -> value; a mapping such as model.args stays whole
         return {f"{name}.{key}" if isinstance(section, dict) else name: value
                 for name, section in tree.items() if name != "run"

@@ -296,8 +296,8 @@ def _refuse_other_identity(folder: Path, meta: dict, config: Config) -> None:
 
 
 def _read_loop_state(folder: Path, process: int, meta: dict) -> dict:
-    """This process's saved parts by name. A checkpoint of an earlier version kept the train meter's sums at the top
-    level and the progress in checkpoint.json alone: read into today's parts."""
+    """This process's saved parts by name. A loop state without named parts (the train meter's sums at the top
+    level, the progress in checkpoint.json alone) is read into the parts."""
     path = folder / LOOP_STATE_FILE.format(process=process)
     state = json.loads(path.read_text()) if path.is_file() else {}
     if "progress" not in state:

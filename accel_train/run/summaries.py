@@ -82,7 +82,7 @@ def ran_out(processes: list[int], world_size: int | None) -> str:
 def training_throughput(train_lines: list[dict], batch_size: int | None) -> tuple[float | None, float | None]:
     """Samples per second over the whole run, evaluation and checkpoint time left out: every train line's rate
     weighted by the steps it covers (the total samples over the total time); and the share of that time spent
-    waiting for data (None for runs older than data_wait)."""
+    waiting for data (None where a train line has no data_wait)."""
     steps = seconds = waited = 0.0
     previous, waits = 0, True
     for line in train_lines:
