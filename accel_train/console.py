@@ -15,6 +15,12 @@ def say(text: str, error: bool = False, nolock: bool = False) -> None:
         print(text, file=stream, flush=True)
 
 
+def note(accelerator, text: str) -> None:
+    """One line on stdout, from the main process only."""
+    if accelerator.is_main_process:
+        say(text)
+
+
 def warn(accelerator, text: str) -> None:
     """One warning line on stderr, from the main process only."""
     if accelerator.is_main_process:

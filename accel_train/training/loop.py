@@ -37,7 +37,7 @@ from pathlib import Path
 
 from accel_train import hooks
 from accel_train.config import Config
-from accel_train.console import say
+from accel_train.console import note
 from accel_train.errors import Preempted
 from accel_train.run.layout import EMA_FILE, MODEL_FILE
 from accel_train.run.weights import export
@@ -87,8 +87,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model=None, train_
                 if stopping:
                     raise Preempted(signals.stop_message(progress.step, saved))
                 if stop_early:
-                    if accelerator.is_main_process:
-                        say(f"{run.selection.describe_stop()}: stopped at step {progress.step}")
+                    note(accelerator, f"{run.selection.describe_stop()}: stopped at step {progress.step}")
                     break
         final = finish(run)
     accelerator.end_training()  # destroys the process group: a clean exit on every process
