@@ -1,0 +1,58 @@
+"""Data: datasets by name (the torchvision sets in memory, ImageFolder trees, a user's dataset by import path),
+the validation split, and the loaders that feed the loop; every augmentation keyed by (seed, epoch, sample).
+
+Datasets that fit in memory (the MNIST family, CIFAR-10, STL-10) are kept as one uint8 tensor and, with
+data.on_device, moved once to the training device and served a whole batch at a time from there (in_memory.py).
+With data.on_device=false, and always for ImageFolder and a user's dataset, a DataLoader runs per-sample transforms
+(in worker processes where cores allow), each sample's random draws keyed by (seed, epoch, its index) as the
+on-device augmentation is (keyed.py).
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import Dataset
+
+from accel_train.config import DataConfig
+from accel_train.data import imagefolder, torchvision_sets  # noqa: F401  (registration)
+from accel_train.data.imagefolder import load_image
+from accel_train.data.in_memory import InMemoryImages
+from accel_train.data.keyed import KeyedSamples, sample_keys
+from accel_train.data.loaders import make_loader, slow_input_advice, start_epoch
+from accel_train.data.predict_inputs import image_converter
+from accel_train.data.registry import DATASETS, Data
+from accel_train.data.torchvision_sets import SOURCES
+from accel_train.data.user import check_user_dataset, from_dataset, user_dataset
+from accel_train.data.validation import hold_out_validation
+from accel_train.errors import UserError
+from accel_train.import_paths import is_given_object, is_import_path
+
+__all__ = ["DATASETS", "Data", "InMemoryImages", "KeyedSamples", "build_dataset", "check_data_name", "from_dataset",
+           "hold_out_validation", "image_converter", "load_image", "make_loader", "sample_keys", "slow_input_advice",
+           "start_epoch"]
+
+
+def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None) -> Data:
+    """The dataset data.name names (one of the registry, or the user's by import path), or the one `given`."""
+    if given is not None:
+        return from_dataset(given, cfg, train, "train_dataset" if train else "eval_dataset")
+    if is_import_path(cfg.name):
+        return user_dataset(cfg, train)
+    if is_given_object(cfg.name):
+        raise UserError(f"data.name={cfg.name}: this run's data was given as a Python object; pass it again "
+                        "(accel_train.evaluate(..., eval_dataset=...))")
+    return DATASETS.get(cfg.name)(cfg, train)
+
+
+def check_data_name(cfg: DataConfig) -> None:
+    """Before any data loads: a registered name, or an import path to a function that takes train= and data.args;
+    per-sample augmentation only where samples are transformed one by one."""
+    if (cfg.trivial_augment or cfg.random_erasing) and not (cfg.name == "imagefolder" or
+                                                            (cfg.name in SOURCES and not cfg.on_device)):
+        where = "set data.on_device=false to transform samples one by one in DataLoader workers" \
+            if cfg.name in SOURCES else "a dataset by import path applies its own transforms"
+        raise UserError(f"data.trivial_augment / data.random_erasing apply to file-backed data (imagefolder, or "
+                        f"{', '.join(SOURCES)} with data.on_device=false); data.name={cfg.name}: {where}")
+    if is_import_path(cfg.name):
+        check_user_dataset(cfg)
+    elif not is_given_object(cfg.name):
+        DATASETS.get(cfg.name)

@@ -1,0 +1,88 @@
+"""The user's own images in folders: data.root/train/<class>/*.jpg, data.root/test/ (or val/) the same way, read
+and transformed per sample (torchvision's ImageFolder and transforms v2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torchvision
+from PIL import Image
+from torch.utils.data import Subset
+from torchvision.transforms import v2
+
+from accel_train.config import DataConfig
+from accel_train.data.registry import DATASETS, SYNTHETIC_EVAL_SIZE, SYNTHETIC_TRAIN_SIZE, Data, given_normalization
+from accel_train.errors import DataNotFoundError, UnreadableFileError
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@DATASETS.register("imagefolder")
+def imagefolder(cfg: DataConfig, train: bool) -> Data:
+    """The user's own data: data.root/train/<class>/*.jpg, and data.root/test/ (or val/) the same way."""
+    size = cfg.image_size or 224
+    transform = imagefolder_transform(cfg, train)
+    if cfg.synthetic:
+        count = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
+        dataset = torchvision.datasets.FakeData(count, image_size=(3, size, size), num_classes=10, transform=transform)
+        return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)])
+    root = Path(cfg.root)
+    _imagefolder_split(root, not train)  # report a missing train or test folder before reading either
+    return imagefolder_data(cfg, _imagefolder_split(root, train), transform,
+                             cfg.train_subset if train else cfg.eval_subset)
+
+
+def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None) -> Data:
+    size = cfg.image_size or 224
+    try:
+        dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=load_image)
+    except FileNotFoundError as err:
+        raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
+    classes = list(dataset.classes)
+    if limit is not None:
+        dataset = Subset(dataset, range(min(limit, len(dataset))))
+    return Data(dataset, len(classes), (3, size, size), classes)
+
+
+def imagefolder_transform(cfg: DataConfig, train: bool) -> v2.Compose:
+    size = cfg.image_size or 224
+    if train:
+        transform = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if cfg.augment \
+            else [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        transform += [v2.TrivialAugmentWide()] if cfg.trivial_augment else []  # on uint8, as it expects
+    else:
+        transform = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
+    normalize = [v2.Normalize(*(given_normalization(cfg, 3) or (IMAGENET_MEAN, IMAGENET_STD)))] if cfg.normalize else []
+    erase = [v2.RandomErasing(cfg.random_erasing)] if train and cfg.random_erasing else []  # after normalising: timm's
+    return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, v2.ToDtype(torch.float32, scale=True), *normalize,
+                       *erase])
+
+
+def load_image(path: str, reader: str = "imagefolder") -> Image.Image:
+    """torchvision's loader, with a damaged file named in one line (from a DataLoader worker too); the line starts
+    with `reader`, what the user asked to read it (a dataset, or predict)."""
+    try:
+        return torchvision.datasets.folder.default_loader(path)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        what = "delete or replace that file" if reader == "imagefolder" else "give image files only"
+        raise UnreadableFileError(f"{reader}: cannot read {path} as an image ({err}); {what}") from None
+
+
+def _imagefolder_split(root: Path, train: bool) -> Path:
+    names = ("train",) if train else ("test", "val", "validation")
+    for name in names:
+        if (root / name).is_dir():
+            return root / name
+    raise DataNotFoundError(
+        f"imagefolder: no {' / '.join(names)} folder in data.root={root}; expected "
+        f"{root}/train/<class>/<images> and {root}/test/<class>/<images>"
+    )
+
+
+def own_validation_folder(cfg: DataConfig) -> Path | None:
+    """ImageFolder's val/ (or validation/) is a validation split of its own when test/ is there too."""
+    root = Path(cfg.root)
+    if cfg.name != "imagefolder" or cfg.synthetic or not (root / "test").is_dir():
+        return None
+    return next((root / name for name in ("val", "validation") if (root / name).is_dir()), None)

@@ -1,0 +1,135 @@
+"""Datasets that fit in memory (the MNIST family, CIFAR-10, STL-10), kept as one uint8 tensor.
+
+With data.on_device the tensor moves once to the training device and is served a whole batch at a time from there
+(augmentation and resizing batched on the device); with data.on_device=false, PerSampleImages serves the same tensor
+the usual torchvision way, a PIL image and per-sample transforms at a time, in DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import transforms as T
+
+from accel_train.data.keyed import sample_keys
+
+
+class InMemoryImages(Dataset):
+    """uint8 images in one tensor; `__getitems__` slices, augments and normalises a whole batch where the tensor lives.
+
+    A DataLoader over it only produces index lists, so Accelerate shards, pads (even batches) and
+    de-duplicates (gather_for_metrics) exactly as for any dataset, while the pixels stay on the device.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean, std, augment=False, size=None) -> None:
+        self.images, self.labels = images.contiguous(), labels.long()
+        self.mean = torch.tensor(mean).view(1, -1, 1, 1)
+        self.std = torch.tensor(std).view(1, -1, 1, 1)
+        self.augment, self.size = augment, size
+        self.seed = self.epoch = 0  # augmentation of a sample is a function of (seed, epoch, its index)
+
+    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
+        """Called by start_epoch, and by Accelerate (epoch only) for loaders whose sampler has no set_epoch."""
+        self.epoch = epoch
+        self.seed = self.seed if seed is None else seed
+
+    def subset(self, indices: torch.Tensor, augment: bool) -> InMemoryImages:
+        part = copy.copy(self)
+        part.images, part.labels, part.augment = self.images[indices], self.labels[indices], augment
+        return part
+
+    def to(self, device: torch.device) -> InMemoryImages:
+        """A view of the same data held on `device` (one copy, made once)."""
+        moved = copy.copy(self)
+        for name in ("images", "labels", "mean", "std"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        images, labels = self.__getitems__([index])
+        return images[0], labels[0]
+
+    def __getitems__(self, indices: list[int]):
+        index = torch.as_tensor(indices)
+        if self.images.is_cuda:  # from pinned memory the copy is asynchronous: the step does not wait for it
+            index = index.pin_memory()
+        index = index.to(self.images.device, non_blocking=True)
+        images = self.images[index]
+        if self.augment:  # on uint8: a quarter of the memory traffic of augmenting floats, same result
+            images = random_crop_flip(images, pad_for(images.shape[-1]), sample_keys(index, self.epoch, self.seed))
+        return to_model_input(images, self.size, self.mean, self.std), self.labels[index]
+
+
+def to_model_input(images: torch.Tensor, size: int | None, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 NCHW images -> the float batch the model sees. The same operations, in the same order, as ToTensor
+    (+ Resize) + Normalize: bit-identical inputs either way."""
+    images = images.float().div_(255)
+    if size and images.shape[-1] != size:
+        images = F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return images.sub_(mean).div_(std)
+
+
+def pad_for(side: int) -> int:
+    """Random-crop padding: 3 px for 28 px images, 4 px for 32 px (the usual CIFAR setting), side/8 in general."""
+    return max(1, side // 8)
+
+
+class PerSampleImages(Dataset):
+    """The usual torchvision way over the same uint8 tensor: a PIL image per sample, then per-sample transforms.
+
+    Serves data.on_device=false (and is the bench's input-pipeline baseline); runs in DataLoader workers.
+    """
+
+    def __init__(self, source: InMemoryImages, trivial_augment: bool = False, random_erasing: float = 0.0) -> None:
+        self.images, self.labels = source.images.cpu(), source.labels.cpu()
+        side = self.images.shape[-1]
+        steps = [T.TrivialAugmentWide()] if trivial_augment and source.augment else []
+        steps.append(T.ToTensor())
+        if source.augment:
+            steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
+        if source.size and source.size != side:
+            steps.append(T.Resize((source.size, source.size), antialias=True))
+        steps.append(T.Normalize(source.mean.flatten().tolist(), source.std.flatten().tolist()))
+        if random_erasing and source.augment:
+            steps.append(T.RandomErasing(random_erasing))
+        self.transform = T.Compose(steps)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        pixels = self.images[index].permute(1, 2, 0).numpy()
+        image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+        return self.transform(image), self.labels[index]
+
+
+def keep_batch(batch):
+    """collate_fn for datasets whose `__getitems__` already returns a batch."""
+    return batch
+
+
+def random_crop_flip(images: torch.Tensor, padding: int, keys: torch.Tensor) -> torch.Tensor:
+    """Per-image random crop (zero padding) and horizontal flip for a whole batch: one gather, no Python loop.
+
+    `keys` (one random integer per image, see sample_keys) decide each image's offsets and flip.
+    """
+    n, c, h, w = images.shape
+    device = images.device
+    padded_width = w + 2 * padding
+    padded = F.pad(images, (padding,) * 4).view(n, c, -1)
+    keys = keys.view(n, 1, 1)
+    top = keys % (2 * padding + 1)
+    left = (keys >> 20) % (2 * padding + 1)
+    flip = ((keys >> 40) & 1).bool()
+    columns = torch.arange(w, device=device).view(1, 1, w)
+    columns = left + torch.where(flip, w - 1 - columns, columns)
+    rows = top + torch.arange(h, device=device).view(1, h, 1)
+    index = (rows * padded_width + columns).view(n, 1, h * w).expand(n, c, h * w)
+    return padded.gather(2, index).view(n, c, h, w)

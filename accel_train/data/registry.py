@@ -1,0 +1,43 @@
+"""Data: a dataset and what a model needs to know about it, and the registry of datasets by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from accel_train.config import DataConfig
+from accel_train.data.in_memory import InMemoryImages
+from accel_train.errors import UserError
+from accel_train.registry import Registry
+
+SYNTHETIC_TRAIN_SIZE, SYNTHETIC_EVAL_SIZE = 512, 256  # data.synthetic: FakeData of the dataset's shape
+
+
+@dataclass
+class Data:
+    """A dataset and what a model needs to know about it; what a Task's setup and build_model receive."""
+
+    dataset: Dataset | None  # None where only the description is needed (predict)
+    num_classes: int | None  # None for data without classes (a regression target)
+    image_shape: tuple[int, ...]  # the shape of one input sample as the model sees it: (C, H, W) for images
+    classes: list[str] | None = None  # class names in index order
+    example: Any = None  # a user's dataset's first sample, for the task to check; None for the registry's
+
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self.dataset, InMemoryImages)
+
+
+DATASETS: Registry[Data] = Registry("dataset", "data.name")
+
+
+def given_normalization(cfg: DataConfig, channels: int) -> tuple[tuple, tuple] | None:
+    """data.mean / data.std (set by the user, or from pretrained weights), checked against the images' channels."""
+    if cfg.mean is None and cfg.std is None:
+        return None
+    if cfg.mean is None or cfg.std is None or len(cfg.mean) != channels or len(cfg.std) != channels:
+        raise UserError(f"data.mean={cfg.mean} and data.std={cfg.std}: give both, one value per channel of "
+                        f"{cfg.name}'s {channels}-channel images")
+    return tuple(cfg.mean), tuple(cfg.std)

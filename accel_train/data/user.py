@@ -1,0 +1,43 @@
+"""A user's own Dataset: by import path in a recipe (data.name: my_data:build), or an object given to
+accel_train.train; checked where it is called, and described (classes, input shape) for the task."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Subset
+
+from accel_train.config import DataConfig
+from accel_train.data.registry import Data
+from accel_train.errors import UserError
+from accel_train.import_paths import check_call, import_object
+
+
+def user_dataset(cfg: DataConfig, train: bool) -> Data:
+    """The dataset the function data.name names returns, called with train= and data.args."""
+    factory = import_object(cfg.name, "data.name")
+    dataset = factory(**check_call(factory, "data.name", cfg.name, "data.args", {"train": train}, cfg.args))
+    return from_dataset(dataset, cfg, train, f"data.name={cfg.name}")
+
+
+def check_user_dataset(cfg: DataConfig) -> None:
+    """Before any data loads: data.name names a function that takes train= and data.args."""
+    factory = import_object(cfg.name, "data.name")
+    check_call(factory, "data.name", cfg.name, "data.args", {"train": True}, cfg.args)
+
+
+def from_dataset(dataset, cfg: DataConfig, train: bool, where: str) -> Data:
+    """A user's Dataset (by import path, or an object given to accel_train.train) with its classes and input shape;
+    data.train_subset / data.eval_subset apply. It is served by a DataLoader (workers, pinned memory)."""
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise UserError(f"{where}: found {type(dataset).__name__}, expected a torch Dataset (__getitem__ and __len__)")
+    classes = getattr(dataset, "classes", None)
+    classes = [str(name) for name in classes] if classes is not None else None
+    num_classes = cfg.num_classes or (len(classes) if classes else None)
+    limit = cfg.train_subset if train else cfg.eval_subset
+    if limit is not None:
+        dataset = Subset(dataset, range(min(limit, len(dataset))))
+    if len(dataset) == 0:
+        raise UserError(f"{where}: the {'training' if train else 'evaluation'} dataset is empty")
+    first = dataset[0]
+    inputs = first[0] if isinstance(first, (tuple, list)) else first
+    return Data(dataset, num_classes, tuple(inputs.shape) if torch.is_tensor(inputs) else (), classes, first)

@@ -1,0 +1,53 @@
+"""The validation split: ImageFolder's own val/ beside test/, or a fraction of the training set drawn by seed."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from accel_train.config import DataConfig
+from accel_train.data.imagefolder import imagefolder_data, imagefolder_transform, own_validation_folder
+from accel_train.data.in_memory import InMemoryImages
+from accel_train.data.registry import Data
+from accel_train.errors import UserError
+
+
+def hold_out_validation(cfg: DataConfig, seed: int, train: Data) -> tuple[Data, Data | None]:
+    """(training data, validation data or None). The validation split is ImageFolder's own val/ beside test/, or
+    data.val_fraction of the training set drawn by `seed` before any process takes its share: every world size
+    holds out the same samples. It is evaluated as the test set is (no augmentation), limited by data.eval_subset."""
+    own = own_validation_folder(cfg)
+    if own is not None:
+        if cfg.val_fraction:
+            raise UserError(f"data.val_fraction={cfg.val_fraction}: data.root={cfg.root} has a validation split of "
+                            f"its own ({own}); set data.val_fraction=0 to use it, or remove the folder")
+        return train, imagefolder_data(cfg, own, imagefolder_transform(cfg, train=False), cfg.eval_subset)
+    if not cfg.val_fraction:
+        return train, None
+    dataset, total = train.dataset, len(train.dataset)
+    count = round(total * cfg.val_fraction)
+    if not 0 < count < total:
+        raise UserError(f"data.val_fraction={cfg.val_fraction} holds out {count} of the {total} training samples; "
+                        "choose a fraction that leaves samples in both splits")
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    held, kept = order[:count].sort().values, order[count:].sort().values
+    if cfg.eval_subset is not None:
+        held = held[:cfg.eval_subset]
+    if isinstance(dataset, InMemoryImages):
+        training, validation = dataset.subset(kept, dataset.augment), dataset.subset(held, augment=False)
+    else:
+        training, validation = Subset(dataset, kept.tolist()), Subset(_as_evaluated(dataset, cfg), held.tolist())
+    return dataclasses.replace(train, dataset=training), dataclasses.replace(train, dataset=validation)
+
+
+def _as_evaluated(dataset: Dataset, cfg: DataConfig) -> Dataset:
+    """The registry's imagefolder with evaluation's transform (no augmentation); a user's dataset as it is."""
+    if cfg.name != "imagefolder":
+        return dataset
+    inner = dataset.dataset if isinstance(dataset, Subset) else dataset
+    evaluated = copy.copy(inner)
+    evaluated.transform = imagefolder_transform(cfg, train=False)
+    return Subset(evaluated, dataset.indices) if isinstance(dataset, Subset) else evaluated
