@@ -7,6 +7,7 @@ main-process helpers; the few collectives of the loop's decisions are collective
 
 from __future__ import annotations
 
+import atexit
 import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -63,7 +64,33 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
             f"run (distributed type {accelerator.distributed_type}); check the launch profile and device visibility"
         )
     hooks.every().accelerator_made(accelerator)
+    _GROUP["finished"] = False
+    if not _GROUP["registered"]:
+        atexit.register(_destroy_finished_group)
+        _GROUP["registered"] = True
     return accelerator
+
+
+# Whether the last command of this process finished its work (finish_command); whether the exit handler is registered
+_GROUP = {"finished": False, "registered": False}
+
+
+def finish_command(accelerator: Accelerator) -> None:
+    """A command (train, evaluate, predict) has done its work: its trackers finish. The process group stays, so that a
+    script that trains and then evaluates under a launcher runs the second call in the same group (Accelerate's state
+    is one per process); it is destroyed when the process exits, for a clean exit on every process."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    _GROUP["finished"] = True
+
+
+def _destroy_finished_group() -> None:
+    """At exit, after a command that finished: a process that stopped on an error leaves the group as it is (the
+    others may be gone, and destroying it would wait for them)."""
+    if _GROUP["finished"]:
+        from accelerate.state import PartialState
+
+        PartialState().destroy_process_group()
 
 
 def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float, launcher: LauncherEnvironment) -> None:

@@ -48,7 +48,7 @@ def installed(package: str) -> bool:
 
 
 class Trackers(Observer):
-    """Feeds Accelerate's trackers on the main process; Accelerator.end_training closes them."""
+    """Feeds Accelerate's trackers on the main process; distributed.accelerator.finish_command closes them."""
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator  # what the trackers are fed through

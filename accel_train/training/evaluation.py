@@ -8,7 +8,7 @@ import torch
 
 from accel_train.config import Config
 from accel_train.data import build_dataset, hold_out_validation, make_loader
-from accel_train.distributed.accelerator import make_accelerator, round_up_to_world
+from accel_train.distributed.accelerator import finish_command, make_accelerator, round_up_to_world
 from accel_train.errors import UserError
 from accel_train.run.weights import load_weights, read_weights, weights_file
 from accel_train.training.adaptive import AdaptiveEval
@@ -65,6 +65,6 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
                               False, accelerator.device)
     model, eval_loader = accelerator.prepare(model, eval_loader)
     metrics = evaluate(accelerator, model, task, eval_loader)
-    accelerator.end_training()
+    finish_command(accelerator)
     return {**metrics, "num_processes": accelerator.num_processes}
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from accel_train import hooks
 from accel_train.config import Config
 from accel_train.console import note
+from accel_train.distributed.accelerator import finish_command
 from accel_train.errors import Preempted
 from accel_train.run.layout import EMA_FILE, MODEL_FILE
 from accel_train.run.weights import export
@@ -90,7 +91,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model=None, train_
                     note(accelerator, f"{run.selection.describe_stop()}: stopped at step {progress.step}")
                     break
         final = finish(run)
-    accelerator.end_training()  # destroys the process group: a clean exit on every process
+    finish_command(accelerator)  # the trackers finish; the process group ends with the process
     return final
 
 

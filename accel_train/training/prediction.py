@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from accel_train.config import Config
 from accel_train.data import Data, image_converter, load_image, make_loader
-from accel_train.distributed.accelerator import make_accelerator
+from accel_train.distributed.accelerator import finish_command, make_accelerator
 from accel_train.errors import DataNotFoundError, writing
 from accel_train.run.weights import class_names, load_weights, read_weights, weights_file
 from accel_train.workloads.tasks import Task, task_named
@@ -84,7 +84,7 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
                 "scores": found[index][1]} for index in range(len(files))]
     if output and accelerator.is_main_process:
         write_csv(results, Path(output))
-    accelerator.end_training()
+    finish_command(accelerator)
     return results
 
 
