@@ -32,7 +32,7 @@ from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint import check_resume, read_meta
 from accel_train.run.folder import check_output_dir
-from accel_train.run.layout import CONFIG_FILE, read_config, run_of, weights_folder
+from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
 from accel_train.run.tracking import tracker_names
 from accel_train.versions import check_versions
 
@@ -135,8 +135,9 @@ def _refuse_other_settings(config: Config, checkpoint: str, command: str) -> Non
 
 def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
                            command: str) -> tuple[str | Config, str]:
-    """`eval RUN`, `eval checkpoint=PATH` (the run PATH belongs to gives the config) and `eval RECIPE
-    checkpoint=PATH`: the recipe and the weights, or a line saying which is missing."""
+    """`eval RUN`, `eval PATH` and `eval checkpoint=PATH` (a checkpoint folder or a weights file: the run PATH belongs
+    to gives the config) and `eval RECIPE checkpoint=PATH`: the recipe and the weights, or a line saying which is
+    missing."""
     if checkpoint is None:
         if recipe is None:
             raise UserError(f"{command} needs a run: accel-train {command} RUN (a training run's output_dir), or "
@@ -146,6 +147,17 @@ def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
             raise DataNotFoundError(f"{command} {recipe}: no such run folder (nor a shipped recipe); pass a training "
                                     f"run's output_dir: accel-train {command} RUN")
         run = run.parent if run is not None and run.name == CONFIG_FILE else run  # RUN/config.yaml: RUN
+        if run is not None and not (run / CONFIG_FILE).is_file() and run.exists():  # a checkpoint or weights file
+            if run.is_dir() and not (run / MODEL_FILE).is_file():
+                raise DataNotFoundError(f"{command} {recipe}: neither a run folder nor weights ({CONFIG_FILE}, "
+                                        f"{MODEL_FILE}); pass a run's output_dir, one of its checkpoints "
+                                        "(RUN/checkpoints/step-N) or a .safetensors file")
+            owner = run_of(str(run))
+            if owner is None:
+                raise UserError(f"{command} {recipe}: no {CONFIG_FILE} beside these weights or in the run folder they "
+                                f"came from, to say how they were trained; pass the recipe too: accel-train {command} "
+                                f"RECIPE checkpoint={recipe}")
+            return str(owner), str(run)
         if run is None or not (run / CONFIG_FILE).is_file():
             raise UserError(f"{command} {recipe if isinstance(recipe, str) else 'of a Config'} needs checkpoint=PATH: "
                             "the run folder, checkpoint folder or model.safetensors whose weights to use (a run "
