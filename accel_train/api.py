@@ -64,11 +64,12 @@ def check_training(config: Config, task: Task | None = None) -> tuple[Task, list
     check_output_dir(config)
     check_resume(config)
     from accel_train.workloads.tasks import task_named
-    from accel_train.workloads.tasks.base import check_mixing
+    from accel_train.workloads.tasks.base import check_mixing, check_selection_metrics
 
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     check_mixing(task, config)
+    check_selection_metrics(task, config)
     return task, trackers
 
 

@@ -76,6 +76,14 @@ class Preempted(Exception):
     exit_code = 75
 
 
+def did_you_mean(name: str, choices) -> str:
+    """` (did you mean X?)` for the closest of `choices`, for the line that names a mistyped name; or nothing."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 FULL_DISK_BYTES = 16 * 2**20  # below this much free space, a failed write is taken to be the full disk
 
 

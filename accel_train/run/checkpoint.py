@@ -111,7 +111,6 @@ class Checkpoints:
         self.config, self.accelerator = config, accelerator
         self.cfg: CheckpointConfig = config.checkpoint
         self.directory = checkpoints_dir(config.output_dir)
-        self._warned_metric = False
         states = states or {}
         for part in states.values():
             if isinstance(part, torch.nn.Module):  # before load_state: a resume restores it
@@ -190,12 +189,6 @@ class Checkpoints:
     def _prune(self) -> None:
         cfg = self.cfg
         checkpoints = list_checkpoints(self.directory)
-        if cfg.best_metric and not self._warned_metric:
-            reported = {name for _, meta in checkpoints for name in meta["metrics"]}
-            if reported and cfg.best_metric not in reported:
-                self._warned_metric = True
-                warn(self.accelerator, f"checkpoint.best_metric={cfg.best_metric} is not an eval metric "
-                                       f"(eval reports {', '.join(sorted(reported))}); keeping only the newest")
         keep = to_keep(checkpoints, cfg.keep_last, cfg.best_metric, cfg.best_mode)
         for folder, _ in checkpoints:
             if folder not in keep:

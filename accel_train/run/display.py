@@ -99,12 +99,13 @@ def headline(state: State) -> str:
 
 
 def results(state: State) -> list[str]:
-    """The files the finished run leaves in its output_dir."""
+    """The files the finished run left in its output_dir (a best model only once there was one)."""
     config = state.config
-    return results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
-                      curves=config.train.plot, classes=state.data.classes is not None,
-                      checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
-                      tracking=bool(state.trackers))
+    listed = results_of(ema=bool(config.train.ema_decay), best=bool(config.checkpoint.best_metric),
+                        curves=config.train.plot, classes=state.data.classes is not None,
+                        checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
+                        tracking=bool(state.trackers))
+    return [name for name in listed if (Path(config.output_dir) / name.rstrip("/")).exists()]
 
 
 def watch(state: State) -> str | None:

@@ -8,6 +8,7 @@ a sweep run again after a kill waits for the old trial to finish saving before i
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import signal
@@ -202,14 +203,15 @@ def check_metric(sweep: Sweep, config: Config) -> None:
     """--metric is one the task reports (tasks that say which); the default direction comes from it. `config`: the
     recipe with the fixed settings."""
     from accel_train.workloads.tasks import task_named
+    from accel_train.workloads.tasks.base import reported_metrics
 
-    known = task_named(config.task).metrics
+    if any(p.key == "train.ema_decay" for p in sweep.parameters):  # some trials report the raw model's metrics too
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, ema_decay=0.999))
+    known = reported_metrics(task_named(config.task), config)
     if known is None:
         if not sweep.given_direction:
             sweep.direction = "min" if "loss" in sweep.metric else "max"
         return
-    if config.train.ema_decay or any(p.key == "train.ema_decay" for p in sweep.parameters):
-        known = {**known, **{f"raw_{name}": mode for name, mode in known.items()}}  # the raw model beside the EMA
     if sweep.metric not in known:
         raise UserError(f"sweep: --metric {sweep.metric} is not an evaluation metric of task={config.task}; it reports "
                         f"{', '.join(known)}")

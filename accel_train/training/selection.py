@@ -17,7 +17,7 @@ from accelerate import Accelerator
 
 from accel_train.config import Config
 from accel_train.distributed.collectives import any_process
-from accel_train.errors import UserError
+from accel_train.errors import UserError, did_you_mean
 from accel_train.run.layout import BEST_FILE
 from accel_train.run.weights import export
 
@@ -56,12 +56,13 @@ class ModelSelection:
     def update(self, metrics: dict, model: torch.nn.Module) -> bool:
         """After an evaluation on the validation split, with the model it evaluated: export model_best.safetensors
         when best_metric improved; True when early stopping ends the run (on every process alike)."""
-        if self.best is not None and self.best.metric in metrics and self.best.improves(metrics[self.best.metric]):
+        for key, watched in (("checkpoint.best_metric", self.best), ("train.early_stop_metric", self.early_stop)):
+            if watched is not None and watched.metric not in metrics:  # a task that does not say its metrics before
+                raise UserError(f"{key}={watched.metric} is not an eval metric{did_you_mean(watched.metric, metrics)}"
+                                f"; eval reports {', '.join(sorted(metrics))}")
+        if self.best is not None and self.best.improves(metrics[self.best.metric]):
             export(self.accelerator, model, self.output_dir / BEST_FILE)
         if self.early_stop is not None:
-            if self.early_stop.metric not in metrics:
-                raise UserError(f"train.early_stop_metric={self.early_stop.metric} is not an eval metric (eval "
-                                f"reports {', '.join(sorted(metrics))})")
             self.early_stop.improves(metrics[self.early_stop.metric])
             exhausted = self.early_stop.evaluations_without_improvement >= self.patience
             self.stopped = any_process(exhausted, self.accelerator)

@@ -12,7 +12,7 @@ from torch import nn
 
 from accel_train.config import Config
 from accel_train.data import Data
-from accel_train.errors import UserError
+from accel_train.errors import UserError, did_you_mean
 from accel_train.import_paths import import_object, is_import_path
 from accel_train.registry import Registry
 
@@ -82,6 +82,26 @@ def check_mixing(task: Task, config: Config) -> None:
     if (config.train.mixup_alpha or config.train.cutmix_alpha) and type(task).mix_batch is Task.mix_batch:
         raise UserError(f"train.mixup_alpha / train.cutmix_alpha: MixUp and CutMix mix class labels; task="
                         f"{config.task} does not mix its batches (classification does)")
+
+
+def reported_metrics(task: Task, config: Config) -> dict[str, str] | None:
+    """The evaluation metrics a run of `task` reports, each with the way that is better ("max" or "min"): the task's
+    own, and the raw model's (raw_*) beside an EMA of the weights; None where the task does not say which."""
+    if task.metrics is None:
+        return None
+    raw = {f"raw_{name}": mode for name, mode in task.metrics.items()} if config.train.ema_decay else {}
+    return {**task.metrics, **raw}
+
+
+def check_selection_metrics(task: Task, config: Config) -> None:
+    """checkpoint.best_metric and train.early_stop_metric name metrics the task reports: a typo would otherwise be
+    found only at the first evaluation, after a whole epoch."""
+    known = reported_metrics(task, config)
+    for key, name in (("checkpoint.best_metric", config.checkpoint.best_metric),
+                      ("train.early_stop_metric", config.train.early_stop_metric)):
+        if known is not None and name is not None and name not in known:
+            raise UserError(f"{key}={name} is not an evaluation metric of task={config.task}{did_you_mean(name, known)}"
+                            f"; it reports {', '.join(known)}")
 
 
 TASKS: Registry[Task] = Registry("task", "task")
