@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import Config, list_recipes, load_config, refuse_contradictions
+from accel_train.config.recipes import run_folder_of
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint import check_resume, read_meta
@@ -47,6 +48,11 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
           train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
           task: Task | None = None) -> dict:
     """Train; returns the final evaluation's metrics (every process gets the same)."""
+    run = None if isinstance(recipe, Config) else run_folder_of(str(recipe))
+    if run is not None and not any(str(override).startswith("output_dir=") for override in overrides):
+        raise UserError(f"train {recipe}: a run folder as the recipe trains that run again, into a folder of its own: "
+                        f"add output_dir=NEW (to continue {run} itself: accel-train train {run} output_dir={run} "
+                        "resume=auto)")
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
         raise UserError("train_dataset and eval_dataset: give both, or neither (the recipe's data.name is used)")

@@ -59,6 +59,12 @@ class Stuck(Exception):
     exit_code = 6
 
 
+class NothingCompleted(UserError):
+    """A sweep ended without one complete trial (each failed or was pruned): there is no result; exit code 1."""
+
+    exit_code = 1
+
+
 class StorageError(UserError):
     """output_dir cannot be written (disk full, read-only, permission denied); exit code 74 (EX_IOERR)."""
 

@@ -63,6 +63,9 @@ def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:
                         f"run's output_dir or a shipped recipe name ({', '.join(list_recipes())})")
     if path.suffix in (".yaml", ".yml") and path.is_file():
         add_search_dir(path.parent)  # import paths in it find the modules beside it
+    elif path.suffix in (".yaml", ".yml"):
+        raise UserError(f"recipe {recipe}: no such file; pass an existing YAML file, a run's output_dir or a shipped "
+                        f"recipe name ({', '.join(list_recipes())})")
     else:
         path = RECIPES_DIR / f"{recipe}.yaml"
         if not path.is_file():
@@ -77,12 +80,21 @@ def _read_recipe(recipe: str, seen: tuple[str, ...] = ()) -> dict:
     if not isinstance(tree, dict):
         raise UserError(f"recipe {path} must be a mapping of config keys")
     tree.pop("run", None)  # what a run's config.yaml records of its launch: facts, not settings
+    if run_folder_of(str(path)) is not None:
+        tree.pop("resume", None)  # how that run was started, not a setting of a new one: given again, or not at all
     base = tree.pop("base", None)
     if base is None:
         return tree
     if base in seen:
         raise UserError(f"recipe {path}: 'base: {base}' forms a cycle")
     return _merge(_read_recipe(base, seen + (recipe,)), tree)
+
+
+def run_folder_of(recipe: str) -> Path | None:
+    """The run folder a recipe is (its config.yaml is the config the run trained with), or None."""
+    path = Path(recipe)
+    folder = path if path.is_dir() else path.parent if path.name == CONFIG_FILE else None
+    return folder if folder is not None and (folder / CONFIG_FILE).is_file() else None
 
 
 def _merge(base: dict, update: dict) -> dict:

@@ -83,6 +83,9 @@ def best_command(folder: Path, best: dict) -> str:
                        f"output_dir={folder.as_posix().rstrip('/')}-best"])
 
 
+NONE_COMPLETED = "no trial completed"
+
+
 def summary(folder: Path, pictures: bool = False) -> list[str]:
     """What a sweep says when it ends: the table, the best trial with its values and its command, the pictures."""
     found = rows(folder)
@@ -95,7 +98,7 @@ def summary(folder: Path, pictures: bool = False) -> list[str]:
             lines.append(f"trial {row['trial']} failed: {row['error']}")
     best = next((row for row in found if row["state"] == "complete"), None)
     if best is None:
-        lines.append("no trial completed")
+        lines.append(NONE_COMPLETED)
         return lines
     lines.append(f"best: trial {best['trial']} ({best['folder']}), {record.get('metric')} {best['value']:.4f}, with "
                  + " ".join(f"{key}={spell(value)}" for key, value in best["params"].items()))

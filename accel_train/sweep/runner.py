@@ -21,13 +21,13 @@ import yaml
 
 from accel_train.config import Config
 from accel_train.console import say
-from accel_train.errors import Preempted, UserError
+from accel_train.errors import NothingCompleted, Preempted, UserError
 from accel_train.run.summaries import duration
 from accel_train.sweep import results
 from accel_train.sweep.results import SWEEP_FILE
 from accel_train.sweep.space import Parameter, check_space, spell
 from accel_train.sweep.study import finished, new_trial, open_study, tell, unfinished
-from accel_train.sweep.trial import TrialProcess, launch_prefix, trial_folder, trial_log
+from accel_train.sweep.trial import LOGS_DIR, TrialProcess, launch_prefix, trial_folder, trial_log
 
 LOCK_FILE = "sweep.lock"
 POLL_S = 0.5
@@ -95,8 +95,12 @@ def run_sweep(sweep: Sweep) -> None:
         raise Preempted(f"sweep stopped by {name} between trials; run the same command again to go on") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-    for line in results.summary(sweep.folder, pictures=True):
+    lines = results.summary(sweep.folder, pictures=True)
+    for line in lines:
         say(line)
+    if lines[-1] == results.NONE_COMPLETED:
+        raise NothingCompleted(f"sweep: none of the {sweep.trials} trial(s) completed, so the sweep has no result; "
+                               f"see each trial's error above and its log in {sweep.folder / LOGS_DIR}")
 
 
 def _interrupt(signum, frame) -> None:
