@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from accel_train.errors import Preempted, UserError
 
@@ -290,8 +291,6 @@ def _run(args: argparse.Namespace) -> None:
 
 def _recipe_or_override(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """`eval checkpoint=RUN` and `keys train.lr=1`: the first argument is an override, not a recipe."""
-    from pathlib import Path
-
     if recipe is not None and "=" in recipe and not Path(recipe).exists():
         return None, [recipe, *overrides]
     return recipe, list(overrides)
@@ -306,20 +305,18 @@ def _described(metrics: dict) -> str:
 
 def _show_runs(args: argparse.Namespace) -> None:
     """`runs` and `plot`: read run folders only (no torch)."""
-    from pathlib import Path
-
     from accel_train.run import summaries as runs
     from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
     from accel_train.sweep import results as sweep_results
 
     if args.command == "plot":
         given, folders = _arguments(args.runs, {"output": None}, "plot")
-        if len(folders) == 1 and sweep_results.is_sweep(Path(folders[0])):
+        if len(folders) == 1 and sweep_results.is_sweep(Path(folders[0])):  # into the sweep folder, as its summary
             found = sweep_results.rows(Path(folders[0]))
             if not found:
                 raise UserError(f"plot: the sweep in {folders[0]} has no trials yet")
-            print("\n".join(map(str, sweep_results.draw(Path(folders[0]), found,
-                                                          Path(given.get("output", CURVES_FILE))))), flush=True)
+            output = Path(given.get("output", Path(folders[0]) / CURVES_FILE))
+            print("\n".join(map(str, sweep_results.draw(Path(folders[0]), found, output))), flush=True)
             return
         found = [run for folder in folders for run in find_runs(Path(folder))]
         if not found:
@@ -328,7 +325,7 @@ def _show_runs(args: argparse.Namespace) -> None:
         from accel_train.errors import writing
         from accel_train.run.plots import plot_runs
 
-        output = Path(given.get("output", CURVES_FILE))
+        output = Path(given["output"]) if "output" in given else plot_output(folders, found)
         with writing(output, "drawing the plot", "choose another output=FILE"):
             print(plot_runs(found, output, runs.run_names(found)), flush=True)
         return
@@ -350,9 +347,21 @@ def _show_runs(args: argparse.Namespace) -> None:
           else f"no runs under {root}")
 
 
-def _sweep(args: argparse.Namespace) -> None:
-    from pathlib import Path
+def plot_output(folders: list[str], found: list) -> Path:
+    """Where `plot` draws without output=FILE: one run's own curves.png (what training draws there); for several
+    runs, curves.png here, never over a file that is already there."""
+    from accel_train.run.layout import CURVES_FILE
 
+    if len(found) == 1 and len(folders) == 1:
+        return found[0] / CURVES_FILE
+    output = Path(CURVES_FILE)
+    if output.exists():
+        raise UserError(f"plot: {output} is already here; give output=FILE (a file given is written over), or plot "
+                        "from another folder")
+    return output
+
+
+def _sweep(args: argparse.Namespace) -> None:
     from accel_train.sweep.runner import Sweep, run_sweep
     from accel_train.sweep.space import parse_space
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from accel_train.errors import UserError
+from accel_train.import_paths import is_import_path
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,11 @@ class Config:
 SECTIONS = ("data", "model", "train", "checkpoint", "predict")
 
 
+def spelled_mapping(mapping: dict) -> str:
+    """{width: 64} as a line shows a mapping."""
+    return "{" + ", ".join(f"{name}: {value}" for name, value in mapping.items()) + "}"
+
+
 def check_values(config: Config) -> None:
     """Every key within its ranges, then the rules that tie keys together; the first broken one, in one line."""
     for section in SECTIONS:
@@ -240,6 +246,11 @@ def check_values(config: Config) -> None:
         for spec in dataclasses.fields(node):
             for bound in spec.metadata.get("within", ()):
                 bound.check(f"{section}.{spec.name}", getattr(node, spec.name))
+    for key, section, kind in (("model", config.model, "model"), ("data", config.data, "dataset")):
+        if section.args and not is_import_path(section.name):
+            raise UserError(f"{key}.args={spelled_mapping(section.args)}: keyword arguments go to a {kind} given by "
+                            f"import path (module:Attr); {key}.name={section.name} takes none, so they would be "
+                            "ignored: remove them")
     if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
         raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
                         "eval metric it watches, e.g. train.early_stop_metric=accuracy")
