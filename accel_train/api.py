@@ -67,8 +67,8 @@ def check_training(config: Config, task: Task | None = None) -> tuple[Task, list
     to resume), so a mistake there answers at once; then the task's (the task `config.task` names when none is
     given). Returns the task and Accelerate's tracker names."""
     trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
+    check_resume(config)  # before the folder is made
     check_output_dir(config)
-    check_resume(config)
     from accel_train.workloads.tasks import task_named
     from accel_train.workloads.tasks.base import check_mixing, check_selection_metrics
 

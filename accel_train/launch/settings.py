@@ -139,6 +139,8 @@ def machine_count(value: str) -> int:
         raise UserError(f"--num_machines {value}: accelerate launch takes a fixed number of machines; a job that "
                         f"goes on when a machine is lost runs under torchrun --nnodes {value} --rdzv_backend c10d "
                         "(the command: accel-train launch --help; docs/multi-machine.md)")
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"--num_machines {value}: the number of machines, 1 or more")
     return int(value)
 
 
