@@ -283,9 +283,10 @@ def check_resume(config: Config) -> None:
     _refuse_other_identity(Path(config.resume), meta, config)
     own = checkpoints_dir(config.output_dir)
     if Path(config.resume).resolve().parent != own.resolve():
-        raise UserError(f"resume={config.resume} is a checkpoint of another folder than output_dir={config.output_dir}: "
-                        f"resume continues output_dir's own run (resume=auto, or one of {own}/step-N); to start a new "
-                        f"run from its weights, give model.init_from={config.resume} instead")
+        raise UserError(f"resume={config.resume} is a checkpoint of another folder than "
+                        f"output_dir={config.output_dir}: resume continues output_dir's own run (resume=auto, or one "
+                        f"of {own}/step-N); to start a new run from its weights, give "
+                        f"model.init_from={config.resume} instead")
 
 
 def _refuse_other_identity(folder: Path, meta: dict, config: Config) -> None:
