@@ -8,6 +8,7 @@ only: a sweep stopped and run again samples what one that never stopped would ha
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,26 +33,38 @@ def optuna() -> Any:
 def open_study(folder: Path, direction: str, startup_trials: int, pruning: bool):
     """The sweep folder's study, created on the first run and loaded on every later one."""
     engine = optuna()
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    storage = JournalStorage(JournalFileBackend(str(folder / STUDY_FILE)))
     # The median pruner stops a trial whose best evaluation so far is worse than the median of the earlier
     # trials' at the same evaluation; not before startup_trials trials are complete (too few to compare with).
     pruner = engine.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0) if pruning \
         else engine.pruners.NopPruner()
-    return engine.create_study(storage=storage, study_name=STUDY_NAME, pruner=pruner, load_if_exists=True,
-                               direction="maximize" if direction == "max" else "minimize")
+    with readable_journal(folder):
+        return engine.create_study(storage=journal(folder), study_name=STUDY_NAME, pruner=pruner,
+                                   load_if_exists=True, direction="maximize" if direction == "max" else "minimize")
 
 
 def load_study(folder: Path):
     """A sweep folder's study, read only (runs, plot)."""
     engine = optuna()
+    with readable_journal(folder):
+        return engine.load_study(study_name=STUDY_NAME, storage=journal(folder))
+
+
+def journal(folder: Path):
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    return engine.load_study(study_name=STUDY_NAME,
-                             storage=JournalStorage(JournalFileBackend(str(folder / STUDY_FILE))))
+    return JournalStorage(JournalFileBackend(str(folder / STUDY_FILE)))
+
+
+@contextmanager
+def readable_journal(folder: Path):
+    """A journal Optuna cannot replay (KeyError, ValueError or its own errors) becomes one line naming the file."""
+    try:
+        yield
+    except Exception as err:
+        raise UserError(f"{folder / STUDY_FILE} cannot be read as the sweep's study ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else ''}); it is damaged or not a study: restore it, "
+                        "or start the sweep again in a new output_dir") from None
 
 
 def distribution(parameter: Parameter):
