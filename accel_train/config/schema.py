@@ -48,6 +48,10 @@ class DataConfig:
                     "module:function returning a torch Dataset (called with train=True/False and data.args)",
                     default="fashion_mnist")
     args: dict[str, Any] = doc("keyword arguments for a dataset given by import path", default_factory=dict)
+    image_transform: str | None = doc("a dataset given by import path: how `accel-train predict` turns one image file "
+                                      "(a PIL image) into the model's input, as an import path module:function "
+                                      "(unset: the `transform` of the dataset's evaluation split, train=False)",
+                                      default=None)
     num_classes: int | None = doc("classes of a dataset given by import path (unset: len(dataset.classes))",
                                   default=None, within=POSITIVE)
     root: str = doc("folder holding (or receiving) the dataset files", default="data")
@@ -251,6 +255,9 @@ def check_values(config: Config) -> None:
             raise UserError(f"{key}.args={spelled_mapping(section.args)}: keyword arguments go to a {kind} given by "
                             f"import path (module:Attr); {key}.name={section.name} takes none, so they would be "
                             "ignored: remove them")
+    if config.data.image_transform and not is_import_path(config.data.name):
+        raise UserError(f"data.image_transform={config.data.image_transform}: it serves a dataset given by import path "
+                        f"(module:Attr); data.name={config.data.name} turns image files into inputs itself: remove it")
     if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
         raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
                         "eval metric it watches, e.g. train.early_stop_metric=accuracy")

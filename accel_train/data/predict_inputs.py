@@ -14,18 +14,21 @@ from accel_train.data.imagefolder import imagefolder_transform
 from accel_train.data.in_memory import to_model_input
 from accel_train.data.torchvision_sets import SOURCES, normalization
 from accel_train.errors import UserError
+from accel_train.import_paths import import_object, is_import_path
 
 
-def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tensor], tuple[int, ...]]:
+def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tensor], tuple[int, ...] | None]:
     """How evaluation turns one image into the model's input (channels, size, normalisation), and that input's
-    shape, without loading the dataset: what accel-train predict applies to each file."""
+    shape where it is known without an image: what accel-train predict applies to each file."""
     if cfg.name == "imagefolder":
         size = cfg.image_size or 224
         return imagefolder_transform(cfg, train=False), (3, size, size)
+    if is_import_path(cfg.name):
+        return user_image_transform(cfg), None
     if cfg.name not in SOURCES:
-        raise UserError(f"predict reads image files as a dataset of the registry does (mnist, fashion_mnist, "
-                        f"cifar10, stl10, imagefolder); data.name={cfg.name} is not one: call accel_train.predict "
-                        "from Python with your own inputs")
+        raise UserError(f"predict reads image files as the dataset would give them to the model; data.name="
+                        f"{cfg.name} is not a dataset of the registry (mnist, fashion_mnist, cifar10, stl10, "
+                        "imagefolder) nor one by import path")
     source = SOURCES[cfg.name]
     channels, height, width = source.shape
     size = cfg.image_size or width
@@ -39,3 +42,24 @@ def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tens
         return to_model_input(v2.functional.pil_to_tensor(image)[None], size, mean, std)[0]
 
     return convert, (channels, size, size)
+
+
+def user_image_transform(cfg: DataConfig) -> Callable[[Image.Image], torch.Tensor]:
+    """data.image_transform, or the `transform` of the evaluation split of a dataset by import path: a callable that
+    takes a PIL image, as torchvision's datasets have it."""
+    if cfg.image_transform:
+        transform = import_object(cfg.image_transform, "data.image_transform")
+        if not callable(transform):
+            raise UserError(f"data.image_transform={cfg.image_transform}: found {type(transform).__name__}, expected a "
+                            "function or a callable object that takes a PIL image")
+        return transform
+    from accel_train.data.user import user_dataset
+
+    evaluated = user_dataset(cfg, train=False).dataset
+    transform = getattr(evaluated, "transform", None)
+    if not callable(transform):
+        raise UserError(f"predict: data.name={cfg.name} is a dataset by import path whose evaluation split has no "
+                        "`transform` to turn an image file into the model's input; set data.image_transform="
+                        "module:function (a PIL image -> the input tensor), or give the dataset a `transform` "
+                        "attribute as torchvision's datasets have")
+    return transform

@@ -71,10 +71,14 @@ def load_weights(model: torch.nn.Module, state: dict, checkpoint: str, described
     return model
 
 
-def class_names(checkpoint: str) -> list[str]:
-    """classes.json of the run the weights at `checkpoint` belong to."""
+def class_names(checkpoint: str, num_classes: int | None) -> list[str]:
+    """classes.json of the run the weights at `checkpoint` belong to; where its data named no classes (a dataset
+    without `classes`), their indices, 0 to data.num_classes - 1."""
     classes = read_classes(checkpoint)
-    if classes is None:
-        raise DataNotFoundError(f"checkpoint={checkpoint}: no {CLASSES_FILE} in its run folder; predict takes the "
-                                "class names that training writes there (train the run again with this version)")
-    return classes
+    if classes is not None:
+        return classes
+    if num_classes:
+        return [str(index) for index in range(num_classes)]
+    raise DataNotFoundError(f"checkpoint={checkpoint}: no {CLASSES_FILE} in its run folder and no data.num_classes; "
+                            "predict names each label by the class names training writes there, or by its index "
+                            "up to data.num_classes: set data.num_classes")

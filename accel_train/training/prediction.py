@@ -62,8 +62,10 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
     task.check_config(config)
     convert, shape = image_converter(config.data)
     weights = weights_file(checkpoint)
-    classes = class_names(checkpoint)
+    classes = class_names(checkpoint, config.data.num_classes)
     files = find_images(inputs)
+    if shape is None:  # a user's transform: the shape of what it makes of the first file
+        shape = tuple(convert(load_image(str(files[0]), reader="predict")).shape)
     state = read_weights(weights)
     accelerator = make_accelerator(config.seed)
     data = Data(None, len(classes), shape, classes)
