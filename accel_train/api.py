@@ -68,6 +68,10 @@ def check_training(config: Config, task: Task | None = None) -> tuple[Task, list
     given). Returns the task and Accelerate's tracker names."""
     trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
     check_resume(config)  # before the folder is made
+    if config.model.init_from:
+        from accel_train.run.weights import weights_file
+
+        weights_file(config.model.init_from, "model.init_from")
     check_output_dir(config)
     from accel_train.workloads.tasks import task_named
     from accel_train.workloads.tasks.base import check_mixing, check_selection_metrics

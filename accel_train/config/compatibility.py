@@ -14,6 +14,7 @@ from accel_train.import_paths import is_given_object
 # would silently give other numbers, so a value that contradicts the run's is refused.
 MEANING_KEYS = ("task", "data.name", "data.num_classes", "data.image_size", "data.normalize", "data.mean",
                 "data.std")
+STARTING_POINT = ("model.init_from",)  # where training started: not what the trained weights mean
 
 
 def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]:
@@ -29,8 +30,8 @@ def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]
     saved, ours = settings(recorded), settings(config.to_dict())
     given = [value for value in ours.values() if isinstance(value, str) and is_given_object(value)]
     return [(key, saved[key], ours.get(key)) for key in saved
-            if (key in MEANING_KEYS or key.startswith("model.")) and saved[key] != ours.get(key)
-            and ours.get(key) not in given]
+            if (key in MEANING_KEYS or key.startswith("model.")) and key not in STARTING_POINT
+            and saved[key] != ours.get(key) and ours.get(key) not in given]
 
 
 def refuse_contradictions(recorded: dict, config: Config, what: str, remedy: str) -> None:

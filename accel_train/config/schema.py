@@ -94,6 +94,9 @@ class ModelConfig:
     pretrained: bool = doc("torchvision models: start from torchvision's default pretrained weights (from TORCH_HOME's "
                            "cache, or downloaded) with a new head for the data's classes and the weights' "
                            "normalisation", default=False)
+    init_from: str | None = doc("start from the weights of an earlier run: its output_dir (model.safetensors), one of "
+                                "its checkpoint folders or a .safetensors file; a new run, the optimizer and "
+                                "schedule fresh (unset: the model's own initialisation)", default=None)
     freeze_backbone: bool = doc("train only the new classification head of a pretrained model (linear probing)",
                                 default=False)
     dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)

@@ -45,6 +45,7 @@ from accel_train.run.layout import (
     checkpoints_dir,
     usual_permissions,
 )
+from accel_train.run.weights import shape_mismatch
 from accel_train.state import Progress, ResumePoint
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ def _refuse_what_cannot_continue(folder: Path, meta: dict, config: Config, accel
                                  model: torch.nn.Module, steps_per_epoch: int) -> None:
     """A checkpoint whose tensors or steps per epoch this run cannot continue from (any world size can: the
     global batch, and so the steps per epoch, are the same at every world size that divides it)."""
-    mismatch = _shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
+    mismatch = shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
     if mismatch:
         raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "
                         f"{mismatch}; use another output_dir or resume=null")
@@ -339,26 +340,6 @@ def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator
     if changed:
         warn(accelerator, f"resuming {folder}: the LR schedule continues as saved there, ignoring "
                            f"{', '.join(changed)}")
-
-
-def _shape_mismatch(weights: Path, model: torch.nn.Module) -> str | None:
-    """Compare tensor names and shapes from the safetensors header alone (no tensor is read)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(weights), framework="pt") as saved:
-            shapes = {key: tuple(saved.get_slice(key).get_shape()) for key in saved.keys()}
-    except Exception:  # unreadable header: reported as damage by the loader, not as another run's
-        return None
-    expected = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
-    for key in sorted(expected.keys() | shapes.keys()):
-        if key not in shapes:
-            return f"it has no tensor {key}"
-        if key not in expected:
-            return f"it has a tensor {key} this model lacks"
-        if shapes[key] != expected[key]:
-            return f"{key} has shape {list(shapes[key])} there, {list(expected[key])} here"
-    return None
 
 
 def _damage(folder: Path, meta: dict) -> str | None:

@@ -37,13 +37,14 @@ def export(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> None
         accelerator.wait_for_everyone()  # on every process, the file is in place once export returns
 
 
-def weights_file(checkpoint: str) -> Path:
-    """The model.safetensors of a run folder, of a checkpoint folder, or the file itself."""
+def weights_file(checkpoint: str, key: str = "checkpoint") -> Path:
+    """The model.safetensors of a run folder, of a checkpoint folder, or the file itself; `key` is the setting that
+    named it, for the line that says it is not there."""
     weights = Path(checkpoint)
     if weights.is_dir():
         weights = weights / MODEL_FILE
     if not weights.is_file():
-        raise DataNotFoundError(f"checkpoint={checkpoint}: no {MODEL_FILE} there; pass the output_dir of a run, "
+        raise DataNotFoundError(f"{key}={checkpoint}: no {MODEL_FILE} there; pass the output_dir of a run, "
                                 "a checkpoint folder or the file")
     return weights
 
@@ -60,15 +61,48 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
                                   "OUTPUT_DIR/checkpoints/") from None
 
 
-def load_weights(model: torch.nn.Module, state: dict, checkpoint: str, described: str) -> torch.nn.Module:
-    """`model` with the tensors of `state`, or one line saying that the weights at `checkpoint` do not fit the
-    model `described` (e.g. "model.name=resnet18 on cifar10")."""
+def load_weights(model: torch.nn.Module, state: dict, checkpoint: str, described: str,
+                 key: str = "checkpoint") -> torch.nn.Module:
+    """`model` with the tensors of `state`, or one line saying that the weights at `checkpoint` (named by `key`) do
+    not fit the model `described` (e.g. "model.name=resnet18 on cifar10")."""
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
         detail = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
-        raise UserError(f"checkpoint={checkpoint} does not fit {described}: {detail}") from None
+        raise UserError(f"{key}={checkpoint} does not fit {described}: {detail}") from None
     return model
+
+
+def initial_weights(model: torch.nn.Module, source: str, described: str) -> torch.nn.Module:
+    """model.init_from: `model` with the weights of an earlier run (its model.safetensors), one of its checkpoints or
+    a .safetensors file; a new run starts from them. Tensors of other names or shapes: one line naming the first."""
+    weights = weights_file(source, "model.init_from")
+    mismatch = shape_mismatch(weights, model)
+    if mismatch:
+        raise UserError(f"model.init_from={source} does not fit {described}: {mismatch}; start from weights of the "
+                        "same model.name and data shape")
+    return load_weights(model, read_weights(weights), source, described, key="model.init_from")
+
+
+def shape_mismatch(weights: Path, model: torch.nn.Module) -> str | None:
+    """Compare tensor names and shapes from the safetensors header alone (no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as saved:
+            shapes = {key: tuple(saved.get_slice(key).get_shape()) for key in saved.keys()}
+    except Exception:  # unreadable header: reported as damage by the loader, not as another run's
+        return None
+    expected = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    for key in sorted(expected.keys() | shapes.keys()):
+        if key not in shapes:
+            return f"it has no tensor {key}"
+        if key not in expected:
+            return f"it has a tensor {key} this model lacks"
+        if shapes[key] != expected[key]:
+            return f"{key} has shape {list(shapes[key])} there, {list(expected[key])} here"
+    return None
+
 
 
 def class_names(checkpoint: str, num_classes: int | None) -> list[str]:

@@ -35,6 +35,7 @@ from accel_train.run.display import Console
 from accel_train.run.folder import RunFolder
 from accel_train.run.layout import stuck_dir, trackers_dir
 from accel_train.run.tracking import Trackers
+from accel_train.run.weights import initial_weights
 from accel_train.state import Observers, Progress, ResumePoint, State
 from accel_train.training.accumulation import accumulation_steps, fit_micro_batch
 from accel_train.training.adaptive import AdaptiveEval, AdaptiveStep, MicroBatchSize, halves_on_out_of_memory
@@ -112,6 +113,8 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     task.setup(config, train_data)
     task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation
     model = model if model is not None else task.build_model(config, train_data)
+    if config.model.init_from:  # the same file on every process, before any process trains
+        initial_weights(model, config.model.init_from, f"model.name={config.model.name} on {config.data.name}")
     model = maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
     model = tune_for_device(model, accelerator.device, config.train.channels_last, config.train.compile)
     if accumulation is None:  # micro_batch_size=auto: the largest that fits, recorded in config.yaml
