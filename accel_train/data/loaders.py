@@ -3,6 +3,8 @@ splits across processes, each epoch's order and augmentation a function of (seed
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -11,6 +13,7 @@ from accel_train.data.in_memory import InMemoryImages, PerSampleImages, keep_bat
 from accel_train.data.keyed import KeyedSamples
 from accel_train.data.registry import Data
 from accel_train.distributed.devices import cores_per_process, dataloader_workers
+from accel_train.distributed.watchdog import stacks_on_request, worker_stacks_folder
 from accel_train.errors import UserError
 
 
@@ -57,6 +60,8 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
                               collate_fn=keep_batch, generator=generator)
         dataset = PerSampleImages(dataset, cfg.trivial_augment, cfg.random_erasing)
     workers = dataloader_workers(cfg.num_workers)
+    # A worker writes its stacks when the stuck-process watchdog asks: a blocked __getitem__ is named where it is.
+    stacks = partial(stacks_on_request, str(worker_stacks_folder())) if workers else None
     return DataLoader(KeyedSamples(dataset), batch_size=global_batch, shuffle=train, drop_last=train,
                       num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                      generator=generator)
+                      generator=generator, worker_init_fn=stacks)

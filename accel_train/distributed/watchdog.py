@@ -23,6 +23,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import sys
 import sysconfig
 import threading
@@ -49,6 +50,7 @@ WAITING_IN = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}para
               f"torch{os.sep}autograd{os.sep}")
 STANDARD_LIBRARY = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 INSTALLED = tuple(f"{os.sep}{folder}{os.sep}" for folder in ("site-packages", "dist-packages"))
+LOADER_WAIT = f"torch{os.sep}utils{os.sep}data{os.sep}"  # a main thread here waits for a DataLoader worker
 
 
 def stuck_after_s(train) -> float:
@@ -57,10 +59,87 @@ def stuck_after_s(train) -> float:
 
 
 def end_process(code: int) -> None:
-    """Exit now, from any thread: the main thread is blocked and would never run Python's clean-up."""
+    """Exit now, from any thread: the main thread is blocked and would never run Python's clean-up. The processes
+    this one started (DataLoader workers, one perhaps blocked in a dataset's __getitem__) end with it: a blocked
+    worker never notices that its parent is gone, and under --max_restarts they would pile up."""
+    import psutil
+
     sys.stdout.flush()
     sys.stderr.flush()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
     os._exit(code)
+
+
+# A DataLoader worker writes its stacks (faulthandler, every thread) into this process's folder of worker stacks when
+# sent WORKER_DUMP_SIGNAL: the watchdog names the function a worker is blocked in, not the loader's wait for it.
+WORKER_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
+WORKER_STACKS_FILE = "worker-{pid}.txt"
+WORKER_ANSWER_S = 1.0  # how long the watchdog waits for a worker's stacks
+_WORKER_STACKS: dict = {}  # this process's folder ("folder"); in a worker, its open file ("file")
+
+
+def worker_stacks_folder() -> Path:
+    """This process's folder for its DataLoader workers' stacks: made once, removed when the process exits."""
+    if "folder" not in _WORKER_STACKS:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="accel-train-workers-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _WORKER_STACKS["folder"] = folder
+    return _WORKER_STACKS["folder"]
+
+
+def stacks_on_request(folder: str, worker_id: int) -> None:
+    """A DataLoader's worker_init_fn: from now on WORKER_DUMP_SIGNAL makes this worker write its stacks into
+    `folder`. faulthandler writes from C, so a worker blocked in C (a lock, a read) answers too."""
+    if WORKER_DUMP_SIGNAL is None:
+        return
+    _WORKER_STACKS["file"] = open(Path(folder) / WORKER_STACKS_FILE.format(pid=os.getpid()), "w")
+    faulthandler.register(WORKER_DUMP_SIGNAL, file=_WORKER_STACKS["file"], all_threads=True)
+
+
+def worker_stacks() -> list[tuple[int, str]]:
+    """(pid, stacks) of each DataLoader worker of this process that answers within WORKER_ANSWER_S."""
+    import psutil
+
+    folder = _WORKER_STACKS.get("folder")
+    if folder is None or WORKER_DUMP_SIGNAL is None:
+        return []
+    asked = []
+    for child in psutil.Process().children():
+        path = folder / WORKER_STACKS_FILE.format(pid=child.pid)
+        if path.is_file():
+            try:
+                child.send_signal(WORKER_DUMP_SIGNAL)
+                asked.append((child.pid, path))
+            except psutil.Error:
+                pass
+    deadline = time.monotonic() + WORKER_ANSWER_S
+    while time.monotonic() < deadline and not all(path.stat().st_size for _, path in asked):
+        time.sleep(POLL_S)
+    time.sleep(POLL_S)  # the last lines of a dump still being written
+    return [(pid, path.read_text()) for pid, path in asked if path.stat().st_size]
+
+
+def blocked_worker_frame(stacks: str) -> tuple[str, str, int] | None:
+    """(function, file, line) where a worker's main thread is, from faulthandler's text; None where that is only the
+    DataLoader's own worker loop (the worker waits for work, it is not the blocked one)."""
+    import re
+
+    current = stacks.split("Current thread", 1)[-1]
+    for path, line, function in re.findall(r'File "([^"]+)", line (\d+) in (\S+)', current):
+        if in_standard_library(path):
+            continue
+        if f"torch{os.sep}utils{os.sep}data{os.sep}" in path:
+            return None
+        return function, shown(path), int(line)
+    return None
 
 
 class Watchdog:
@@ -150,9 +229,14 @@ class Watchdog:
         frames = main_thread_frames()
         function, file, line = innermost_of_ours(frames)
         record = {"attempt": self.attempt, "process": process, "host": self.hosts[process], "phase": self.phase,
-                  "step": self.progress.step, "function": function, "file": file, "line": line,
+                  "step": self.progress.step, "function": function, "file": file, "line": line, "worker": None,
                   "waiting": any(marker in frame.f_code.co_filename for frame in frames for marker in WAITING_IN),
                   "stacks": STUCK_STACKS_FILE.format(process=process)}
+        workers = worker_stacks() if any(LOADER_WAIT in frame.f_code.co_filename for frame in frames) else []
+        for pid, stacks in workers:  # waiting for a DataLoader worker: name where the worker is blocked
+            if (frame := blocked_worker_frame(stacks)) is not None:
+                (record["function"], record["file"], record["line"]), record["worker"] = frame, pid
+                break
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(self.folder / record["stacks"], "w") as stacks:
@@ -160,6 +244,8 @@ class Watchdog:
                              f"{self.bound:g} s (train.stuck_after_s); every thread, most recent call first:\n\n")
                 stacks.flush()
                 faulthandler.dump_traceback(stacks, all_threads=True)
+                for pid, text in workers:
+                    stacks.write(f"\nDataLoader worker {pid} of process {process}:\n\n{text}")
         except OSError as err:
             record["stacks"] = f"not written: {err}"
         self._write(self.folder / STUCK_RECORD_FILE.format(process=process), record)
@@ -242,10 +328,12 @@ def shown(path: str) -> str:
 
 
 def where(record: dict) -> str:
-    """`training step 8, in __getitem__ (my_data.py:42)`: the step it was in (the one after those it finished)."""
+    """`training step 8, in __getitem__ (my_data.py:42)`: the step it was in (the one after those it finished); a
+    DataLoader worker's function where the process waits for that worker."""
     phase = (f"training step {record['step'] + 1}" if record["phase"] == TRAINING
              else f"the evaluation after step {record['step']}")
-    return f"{phase}, in {record['function']} ({record['file']}:{record['line']})"
+    worker = f" in DataLoader worker {record['worker']}" if record.get("worker") else ""
+    return f"{phase}, in {record['function']} ({record['file']}:{record['line']}){worker}"
 
 
 def processes(numbers: list[int]) -> str:

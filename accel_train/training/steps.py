@@ -76,6 +76,7 @@ class TrainingBatches:
             start_epoch(micro_batches, epoch, self.seed)  # before accelerate 1.15 it started over at epoch 0
         steps_left = min(progress.steps_per_epoch, progress.total_steps - epoch * progress.steps_per_epoch) - done
         numbered = enumerate(self.timed(micro_batches), start=micro_batches_done)  # timed: the lines' data_wait
+        self.mark()  # training again, from the epoch's first batch on (after an evaluation, a save)
         for _ in range(steps_left):
             yield (self._as_received(number, batch) for number, batch in islice(numbered, self.accumulation))
 
