@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
-from accel_train.errors import Preempted, UserError
+from accel_train.errors import Preempted, UserError, did_you_mean
 
 USAGE = """\
 accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a shipped name, a YAML file or a run's
@@ -68,10 +69,28 @@ run folder's classes.json; as with eval, settings that change what the weights m
 }
 
 
+class _CommandLine(argparse.ArgumentParser):
+    """A mistake in the command itself in one line, naming the closest command or the override's spelling, instead of
+    argparse's whole usage (27 lines)."""
+
+    def error(self, message: str):
+        if (unknown := re.search(r"invalid choice: '([^']*)'", message)) is not None:
+            commands = [action for action in self._subparsers._group_actions][0].choices  # noqa: SLF001
+            message = f"unknown command '{unknown.group(1)}'{did_you_mean(unknown.group(1), commands)}"
+        elif (dashed := re.search(r"unrecognized arguments: (--\S*[.=]\S*)", message)) is not None:
+            message += f" (a config override takes no dashes: {dashed.group(1).lstrip('-')})"
+        self.exit(2, f"accel-train: error: {message}; accel-train --help lists the commands\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="accel-train", description="Train PyTorch models on 1 GPU, N GPUs or N "
-                                     "machines with one code path (Hugging Face Accelerate).", usage=USAGE)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _CommandLine(prog="accel-train", description="Train PyTorch models on 1 GPU, N GPUs or N machines with "
+                          "one code path (Hugging Face Accelerate).", usage=USAGE)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=argparse.ArgumentParser)
+
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:  # its own prog: argparse would take the whole USAGE
+        return commands.add_parser(name, prog=f"accel-train {name}", **kwargs)
+
     for name, (text, usage, examples) in COMMANDS.items():
         command = commands.add_parser(name, help=text, usage=usage, prog=f"accel-train {name}",
                                       description=text[0].upper() + text[1:] + ".", epilog="examples:\n" + examples,
@@ -83,28 +102,28 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("recipe", metavar="RUN", nargs="?", help="a training run's output_dir; or a recipe, "
                                  "with checkpoint=PATH")
         command.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
-    commands.add_parser("sweep", help="hyperparameter search with Optuna: every trial a normal, resumable run folder "
+    command("sweep", help="hyperparameter search with Optuna: every trial a normal, resumable run folder "
                         "(accel-train sweep --help)")
-    bench = commands.add_parser("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
+    bench = command("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
     bench.add_argument("--quick", action="store_true", help="short windows, one round (CPU / CI friendly)")
     bench.add_argument("--processes", type=int, help="processes for the scaling table (default: GPUs, or 2 on CPU)")
     bench.add_argument("--peak-tflops", type=float, help="device peak for the utilisation (default: measured matmul)")
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
     bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
-    runs = commands.add_parser("runs", help="table of runs: recipe, processes, precision, steps, best and final "
+    runs = command("runs", help="table of runs: recipe, processes, precision, steps, best and final "
                                "eval metric, wall time, samples/s")
     runs.add_argument("folder", metavar="DIR", help="a run's output_dir, or a folder holding runs (e.g. runs)")
     runs.add_argument("--diff", nargs=2, metavar=("A", "B"), help="the config keys two runs (folders, or names "
                       "under DIR) differ in")
     runs.add_argument("--json", action="store_true", help="the same as JSON, for scripts")
-    plot = commands.add_parser("plot", help="train loss, eval metrics and LR against optimizer steps, runs overlaid")
+    plot = command("plot", help="train loss, eval metrics and LR against optimizer steps, runs overlaid")
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or folders holding runs); "
                       "output=FILE sets the PNG (default curves.png)")
-    commands.add_parser("launch", help="accelerate launch once every machine has joined (accel-train launch --help)")
-    commands.add_parser("recipes", help="list shipped recipes")
-    commands.add_parser("profiles", help="list shipped launch profiles")
-    profile = commands.add_parser("profile", help="print the installed file of a launch profile")
+    command("launch", help="accelerate launch once every machine has joined (accel-train launch --help)")
+    command("recipes", help="list shipped recipes")
+    command("profiles", help="list shipped launch profiles")
+    profile = command("profile", help="print the installed file of a launch profile")
     profile.add_argument("name", help="a profile name from `accel-train profiles`, e.g. multi_gpu")
     keys = commands.add_parser("keys", help="list config keys with their meaning and values", prog="accel-train keys",
                                usage="accel-train keys [RECIPE] [KEY=VALUE ...]",
@@ -114,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("recipe", nargs="?", metavar="RECIPE", help="show this recipe's values (a shipped name, a "
                       "YAML file or a run's output_dir) instead of the defaults")
     keys.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
-    doctor = commands.add_parser("doctor", help="check this node before a launch: devices, backend, mixed precision, "
+    doctor = command("doctor", help="check this node before a launch: devices, backend, mixed precision, "
                                  "accelerate config, multi-node network; exit 1 on any problem")
     from accel_train.launch.settings import add_arguments  # the accelerate launch flags doctor checks
 

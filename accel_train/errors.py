@@ -86,7 +86,7 @@ def did_you_mean(name: str, choices) -> str:
     """` (did you mean X?)` for the closest of `choices`, for the line that names a mistyped name; or nothing."""
     import difflib
 
-    close = difflib.get_close_matches(name, list(choices), n=1)
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
     return f" (did you mean {close[0]}?)" if close else ""
 
 

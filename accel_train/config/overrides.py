@@ -11,7 +11,7 @@ from typing import Any, Literal
 import yaml
 
 from accel_train.config.schema import Config, fields_of, hints_of, is_mapping, is_union, type_name
-from accel_train.errors import UserError
+from accel_train.errors import UserError, did_you_mean
 
 
 def apply_overrides(config: Config, overrides: list[str]) -> set[str]:
@@ -71,9 +71,13 @@ def _set(config: Config, dotted: str, raw: str) -> None:
 
 
 def _unknown_key(key: str, cls: type) -> str:
+    """The line for a mistyped key: the key it was probably meant to be, else every key of its section."""
     prefix = key.rpartition(".")[0]
-    valid = ", ".join((f"{prefix}." if prefix else "") + name for name in fields_of(cls))
-    return f"unknown config key '{key}'; valid keys here: {valid}"
+    valid = [(f"{prefix}." if prefix else "") + name for name in fields_of(cls)]
+    close = did_you_mean(key, valid)
+    if close:
+        return f"unknown config key '{key}'{close}; accel-train keys lists every key"
+    return f"unknown config key '{key}'; valid keys here: {', '.join(valid)}"
 
 
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
