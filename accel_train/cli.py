@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=argparse.ArgumentParser)
 
-    def command(name: str, **kwargs) -> argparse.ArgumentParser:  # its own prog: argparse would take the whole USAGE
+    def subcommand(name: str, **kwargs) -> argparse.ArgumentParser:  # its own prog: else argparse takes all of USAGE
         return commands.add_parser(name, prog=f"accel-train {name}", **kwargs)
 
     for name, (text, usage, examples) in COMMANDS.items():
@@ -102,28 +102,28 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("recipe", metavar="RUN", nargs="?", help="a training run's output_dir; or a recipe, "
                                  "with checkpoint=PATH")
         command.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
-    command("sweep", help="hyperparameter search with Optuna: every trial a normal, resumable run folder "
+    subcommand("sweep", help="hyperparameter search with Optuna: every trial a normal, resumable run folder "
                         "(accel-train sweep --help)")
-    bench = command("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
+    bench = subcommand("bench", help="benchmark: overhead, input pipeline, scaling, FLOP/s")
     bench.add_argument("--quick", action="store_true", help="short windows, one round (CPU / CI friendly)")
     bench.add_argument("--processes", type=int, help="processes for the scaling table (default: GPUs, or 2 on CPU)")
     bench.add_argument("--peak-tflops", type=float, help="device peak for the utilisation (default: measured matmul)")
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
     bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
-    runs = command("runs", help="table of runs: recipe, processes, precision, steps, best and final "
+    runs = subcommand("runs", help="table of runs: recipe, processes, precision, steps, best and final "
                                "eval metric, wall time, samples/s")
     runs.add_argument("folder", metavar="DIR", help="a run's output_dir, or a folder holding runs (e.g. runs)")
     runs.add_argument("--diff", nargs=2, metavar=("A", "B"), help="the config keys two runs (folders, or names "
                       "under DIR) differ in")
     runs.add_argument("--json", action="store_true", help="the same as JSON, for scripts")
-    plot = command("plot", help="train loss, eval metrics and LR against optimizer steps, runs overlaid")
+    plot = subcommand("plot", help="train loss, eval metrics and LR against optimizer steps, runs overlaid")
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or folders holding runs); "
                       "output=FILE sets the PNG (default curves.png)")
-    command("launch", help="accelerate launch once every machine has joined (accel-train launch --help)")
-    command("recipes", help="list shipped recipes")
-    command("profiles", help="list shipped launch profiles")
-    profile = command("profile", help="print the installed file of a launch profile")
+    subcommand("launch", help="accelerate launch once every machine has joined (accel-train launch --help)")
+    subcommand("recipes", help="list shipped recipes")
+    subcommand("profiles", help="list shipped launch profiles")
+    profile = subcommand("profile", help="print the installed file of a launch profile")
     profile.add_argument("name", help="a profile name from `accel-train profiles`, e.g. multi_gpu")
     keys = commands.add_parser("keys", help="list config keys with their meaning and values", prog="accel-train keys",
                                usage="accel-train keys [RECIPE] [KEY=VALUE ...]",
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("recipe", nargs="?", metavar="RECIPE", help="show this recipe's values (a shipped name, a "
                       "YAML file or a run's output_dir) instead of the defaults")
     keys.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
-    doctor = command("doctor", help="check this node before a launch: devices, backend, mixed precision, "
+    doctor = subcommand("doctor", help="check this node before a launch: devices, backend, mixed precision, "
                                  "accelerate config, multi-node network; exit 1 on any problem")
     from accel_train.launch.settings import add_arguments  # the accelerate launch flags doctor checks
 
