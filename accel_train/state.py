@@ -66,10 +66,10 @@ class ResumePoint:
     saved_world_size: int | None = None  # the processes that saved it (None: no checkpoint resumed)
 
     def world_size_change(self, world_size: int) -> str | None:
-        """'resumed at 3 processes from a checkpoint of 2' when the checkpoint was saved at another world size."""
+        """'resumed from a checkpoint of 2 processes' when the checkpoint was saved at another world size."""
         if self.saved_world_size is None or self.saved_world_size == world_size:
             return None
-        return f"resumed {across_world_sizes(world_size, self.saved_world_size)}"
+        return f"resumed from a checkpoint of {self.saved_world_size} process(es)"
 
 
 def across_world_sizes(world_size: int, checkpoint_world_size: int) -> str:

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages, PerSampleImages, keep_batch
 from accel_train.data.keyed import KeyedSamples
-from accel_train.data.registry import Data
+from accel_train.data.registry import DATASETS, Data
 from accel_train.distributed.devices import cores_per_process, dataloader_workers
 from accel_train.distributed.watchdog import stacks_on_request, worker_stacks_folder
 from accel_train.errors import UserError
@@ -34,10 +34,13 @@ def slow_input_advice(cfg: DataConfig, data: Data) -> str:
     on_device = "set data.on_device=true (the dataset moves to the device once, augmented a batch at a time), or " \
         if data.in_memory else ""
     workers, cores = dataloader_workers(cfg.num_workers), cores_per_process()
+    here = f"{cores} CPU core{'s' if cores != 1 else ''} per process here"
     if workers < cores:
-        return f"{on_device}raise data.num_workers (now {workers}; {cores} CPU cores per process here)"
-    return (f"{on_device}lower data.image_size, lighten augmentation or read from faster storage: all {workers} "
-            f"DataLoader workers are busy ({cores} CPU cores per process here)")
+        return f"{on_device}raise data.num_workers (now {workers}; {here})"
+    # data.image_size resizes the registry's images; a user's dataset makes its own samples
+    lighter = "lower data.image_size, lighten augmentation" if cfg.name in DATASETS \
+        else "make the dataset's __getitem__ faster"
+    return f"{on_device}{lighter} or read from faster storage: all {workers} DataLoader workers are busy ({here})"
 
 
 def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device,

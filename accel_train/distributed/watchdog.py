@@ -229,7 +229,8 @@ class Watchdog:
         frames = main_thread_frames()
         function, file, line = innermost_of_ours(frames)
         record = {"attempt": self.attempt, "process": process, "host": self.hosts[process], "phase": self.phase,
-                  "step": self.progress.step, "function": function, "file": file, "line": line, "worker": None,
+                  "step": self.progress.step + (self.phase == TRAINING), "function": function, "file": file,
+                  "line": line, "worker": None,
                   "waiting": any(marker in frame.f_code.co_filename for frame in frames for marker in WAITING_IN),
                   "stacks": STUCK_STACKS_FILE.format(process=process)}
         workers = worker_stacks() if any(LOADER_WAIT in frame.f_code.co_filename for frame in frames) else []
@@ -328,9 +329,9 @@ def shown(path: str) -> str:
 
 
 def where(record: dict) -> str:
-    """`training step 8, in __getitem__ (my_data.py:42)`: the step it was in (the one after those it finished); a
-    DataLoader worker's function where the process waits for that worker."""
-    phase = (f"training step {record['step'] + 1}" if record["phase"] == TRAINING
+    """`training step 8, in __getitem__ (my_data.py:42)`: the step it was in (its record's: the one after those it
+    finished, or the evaluation after them); a DataLoader worker's function where the process waits for that worker."""
+    phase = (f"training step {record['step']}" if record["phase"] == TRAINING
              else f"the evaluation after step {record['step']}")
     worker = f" in DataLoader worker {record['worker']}" if record.get("worker") else ""
     return f"{phase}, in {record['function']} ({record['file']}:{record['line']}){worker}"

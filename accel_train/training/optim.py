@@ -81,7 +81,7 @@ def schedule_overruns(cfg: TrainConfig, steps_per_epoch: int) -> str | None:
     total = total_steps(cfg, steps_per_epoch)
     if cfg.warmup_steps > total:
         return (f"train.warmup_steps={cfg.warmup_steps} is longer than the run ({total} optimizer steps): the LR never "
-                f"reaches train.lr={cfg.lr:g}; lower train.warmup_steps (e.g. to {total // 10})")
+                f"reaches train.lr={cfg.lr:g}; lower train.warmup_steps (e.g. to {max(1, total // 10)})")
     decay_epochs = {"step": cfg.lr_step_epochs, "exponential": 1}.get(cfg.schedule)
     if decay_epochs and decay_epochs * steps_per_epoch > total:
         return (f"train.schedule={cfg.schedule} decays the LR every {decay_epochs} epoch(s) of {steps_per_epoch} "
