@@ -54,6 +54,11 @@ def rows(folder: Path) -> list[dict]:
                                           sign * (row["value"] or 0), row["trial"]))
 
 
+def wall_s(run: Path) -> float | None:
+    """A trial's time as its row gives it: the run's seconds over all its starts, from its metrics.jsonl."""
+    return summarize(run)["wall_s"] if is_run(run) else None
+
+
 def table(folder: Path, found: list[dict]) -> str:
     """The trials side by side, one row each, with a column per searched key."""
     record = read_record(folder)

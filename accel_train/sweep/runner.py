@@ -140,7 +140,8 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
         code = process.wait()
         raise Preempted(f"sweep stopped by {name}; trial {number} {process.stopped_how(code)}; run the same command "
                         "again to resume it and go on") from None
-    took = duration(time.monotonic() - started)
+    # as `runs` of the sweep shows it: the run's own time over its starts (metrics.jsonl), else this start's
+    took = duration(results.wall_s(folder) or time.monotonic() - started)
     if pruned:
         tell(study, trial, "pruned")
         say(f"trial {number}: pruned; it {process.stopped_how(code)} ({took})")
