@@ -9,16 +9,19 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from accel_train.config import DataConfig
+from accel_train.console import say
 from accel_train.data.imagefolder import imagefolder_data, imagefolder_transform, own_validation_folder
 from accel_train.data.in_memory import InMemoryImages
 from accel_train.data.registry import Data
+from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import UserError
 
 
-def hold_out_validation(cfg: DataConfig, seed: int, train: Data) -> tuple[Data, Data | None]:
+def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | None = None) -> tuple[Data, Data | None]:
     """(training data, validation data or None). The validation split is ImageFolder's own val/ beside test/, or
     data.val_fraction of the training set drawn by `seed` before any process takes its share: every world size
-    holds out the same samples. It is evaluated as the test set is (no augmentation), limited by data.eval_subset."""
+    holds out the same samples. It is evaluated as the `test` split is (no augmentation), limited by
+    data.eval_subset."""
     own = own_validation_folder(cfg)
     if own is not None:
         if cfg.val_fraction:
@@ -39,15 +42,28 @@ def hold_out_validation(cfg: DataConfig, seed: int, train: Data) -> tuple[Data, 
     if isinstance(dataset, InMemoryImages):
         training, validation = dataset.subset(kept, dataset.augment), dataset.subset(held, augment=False)
     else:
-        training, validation = Subset(dataset, kept.tolist()), Subset(_as_evaluated(dataset, cfg), held.tolist())
+        training, validation = Subset(dataset, kept.tolist()), Subset(_as_evaluated(dataset, cfg, test), held.tolist())
     return dataclasses.replace(train, dataset=training), dataclasses.replace(train, dataset=validation)
 
 
-def _as_evaluated(dataset: Dataset, cfg: DataConfig) -> Dataset:
-    """The registry's imagefolder with evaluation's transform (no augmentation); a user's dataset as it is."""
-    if cfg.name != "imagefolder":
-        return dataset
+def _as_evaluated(dataset: Dataset, cfg: DataConfig, test: Data | None) -> Dataset:
+    """The training samples served as the test split serves its own: the registry's imagefolder with evaluation's
+    transform; a user's dataset with the `transform` of its test split where both have one (torchvision's datasets
+    do), else as it is, with one warning."""
     inner = dataset.dataset if isinstance(dataset, Subset) else dataset
-    evaluated = copy.copy(inner)
-    evaluated.transform = imagefolder_transform(cfg, train=False)
-    return Subset(evaluated, dataset.indices) if isinstance(dataset, Subset) else evaluated
+    if cfg.name == "imagefolder":
+        transform = imagefolder_transform(cfg, train=False)
+    else:
+        evaluated = test.dataset if test is not None else None
+        evaluated = evaluated.dataset if isinstance(evaluated, Subset) else evaluated
+        transform = getattr(evaluated, "transform", None)
+        if transform is None or not hasattr(inner, "transform"):
+            if launcher_environment().is_reporting_process:
+                say(f"accel-train: warning: data.val_fraction: the validation samples of data.name={cfg.name} come "
+                    "from its training dataset, with its transforms (augmentation too); give its datasets a "
+                    "`transform` attribute (the test split's is then used) to evaluate them as the test split is",
+                    error=True)
+            return dataset
+    copied = copy.copy(inner)
+    copied.transform = transform
+    return Subset(copied, dataset.indices) if isinstance(dataset, Subset) else copied

@@ -52,7 +52,9 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
     accelerator = make_accelerator(config.seed)
     with accelerator.local_main_process_first():
         if split == "val":
-            eval_data = hold_out_validation(config.data, config.seed, build_dataset(config.data, train=True))[1]
+            test_data = build_dataset(config.data, train=False, given=eval_dataset)
+            eval_data = hold_out_validation(config.data, config.seed, build_dataset(config.data, train=True),
+                                            test_data)[1]
             if eval_data is None:
                 raise UserError(f"split=val: {checkpoint} was trained without a validation split "
                                 "(data.val_fraction=0 and no val/ folder); evaluate split=test")

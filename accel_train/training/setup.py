@@ -109,7 +109,7 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True, given=train_dataset)
         test_data = build_dataset(config.data, train=False, given=eval_dataset)
-    train_data, val_data = hold_out_validation(config.data, config.seed, train_data)  # None: evaluate on test
+    train_data, val_data = hold_out_validation(config.data, config.seed, train_data, test_data)  # None: on test
     task.setup(config, train_data)
     task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation
     model = model if model is not None else task.build_model(config, train_data)
