@@ -10,8 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 _LOW_33_BITS = (1 << 33) - 1
-
-
+MT_WORDS = 624  # the state of a Mersenne Twister (MT19937): torch's CPU generator and numpy's global one
 
 def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
     """A random 62-bit number per (seed, epoch, sample index), computed where the indices live.
@@ -66,13 +65,53 @@ class KeyedSamples(Dataset):
         try:
             samples = []
             for index, key in zip(indices, keys):
-                torch.default_generator.manual_seed(key)  # the CPU's alone: torch.manual_seed would reseed CUDA's too
-                random.seed(key)
-                # Its high 32 bits: torch's MT19937 takes the low 32, and numpy's with the same seed would draw the same
-                np.random.seed(key >> 30)
+                seed_generators(key)
                 samples.append(self.samples[index])
             return samples
         finally:
             torch.set_rng_state(saved[0])
             random.setstate(saved[1])
             np.random.set_state(saved[2])
+
+
+def seed_generators(key: int) -> None:
+    """torch's CPU generator, Python's `random` and numpy's global generator, each from every bit of `key`.
+
+    torch's manual_seed and numpy's legacy seed keep 32 bits of a seed, so keys that share those would draw alike
+    (about 190 pairs of samples an ImageNet epoch): both Mersenne Twisters' states are filled from all of `key`
+    instead (splitmix64 of key and a counter, as sample_keys mixes), torch's and numpy's with different words.
+    """
+    random.seed(key)
+    words = _state_words(key)
+    np.random.set_state(("MT19937", words[MT_WORDS:], MT_WORDS))
+    if _TORCH_STATE is None:  # a torch whose generator state is laid out otherwise: its own 32-bit seeding
+        torch.default_generator.manual_seed(key)
+        return
+    state = bytearray(_TORCH_STATE)
+    state[:8] = (key & (2**64 - 1)).to_bytes(8, "little")  # the_initial_seed (torch.initial_seed's answer)
+    state[_WORDS_AT:_WORDS_AT + 8 * MT_WORDS] = words[:MT_WORDS].astype("<u8").tobytes()
+    torch.default_generator.set_state(torch.frombuffer(state, dtype=torch.uint8))
+
+
+def _state_words(key: int) -> np.ndarray:
+    """2 x 624 32-bit words, each a function of every bit of `key`: splitmix64 of (key, 1..624), split in halves."""
+    mixed = np.arange(1, MT_WORDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
+    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        mixed = (mixed ^ (mixed >> np.uint64(shift))) * np.uint64(multiplier)
+    return (mixed ^ (mixed >> np.uint64(31))).view(np.uint32)
+
+
+def _torch_state_template() -> bytes | None:
+    """torch's CPU generator state just after seeding: 8 bytes of seed, `left` and `seeded` (4 each), `next`
+    (8), then the 624 words as 8 bytes each, then normal-sampling caches. Checked against numpy's legacy seeding,
+    which fills the same words; None where the layout differs."""
+    generator = torch.Generator()
+    generator.manual_seed(5489)
+    state = generator.get_state().numpy().tobytes()
+    words = np.frombuffer(state, dtype="<u8", count=MT_WORDS, offset=_WORDS_AT) if len(state) >= 5040 else None
+    expected = np.random.RandomState(5489).get_state()[1]
+    return state if words is not None and np.array_equal(words, expected) else None
+
+
+_WORDS_AT = 24
+_TORCH_STATE = _torch_state_template()
