@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from accel_train import hooks
-from accel_train.config import refuse_contradictions
+from accel_train.config import refuse_contradictions, spelled
 from accel_train.console import say, warn
 from accel_train.distributed.collectives import any_process, first_message
 from accel_train.errors import UserError, writing
@@ -319,6 +319,12 @@ def _refuse_what_cannot_continue(folder: Path, meta: dict, config: Config, accel
     if meta["steps_per_epoch"] != steps_per_epoch:
         raise UserError(f"resume: {folder} has {meta['steps_per_epoch']} steps per epoch, this run "
                         f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
+    saved_ema = (meta["config"].get("train") or {}).get("ema_decay")
+    if bool(saved_ema) != bool(config.train.ema_decay):  # the EMA is a part of the checkpoint, saved or not
+        raise UserError(f"resume: {folder} was saved with train.ema_decay={spelled(saved_ema)}, this run has "
+                        f"train.ema_decay={spelled(config.train.ema_decay)}: an EMA of the weights is saved and "
+                        "restored with the checkpoint, so it cannot be added or dropped on the way; set it as the "
+                        "checkpoint had it, or start a new run (model.init_from takes the weights)")
 
 
 def _reseed_processes(seed: int, step: int, accelerator: Accelerator) -> None:
