@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from accel_train.errors import Preempted, UserError, did_you_mean
+from accel_train.errors import PeerLost, Preempted, UserError, did_you_mean
 
 USAGE = """\
 accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a shipped name, a YAML file or a run's
@@ -205,6 +205,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as err:
+        if "torch" not in sys.modules:
+            raise
+        from accel_train.distributed.collectives import lost_a_peer
+
+        if not lost_a_peer(err):
+            raise
+        _report(PeerLost(f"a collective failed ({str(err).splitlines()[0]}): another process died or stopped "
+                         "answering (its own log says why); under --max_restarts the launcher restarts the group, "
+                         "which resumes from the newest checkpoint"))
+        sys.exit(PeerLost.exit_code)
     except BrokenPipeError:  # `accel-train keys | head`: the reader left; no traceback, as other tools do
         import os
 

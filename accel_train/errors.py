@@ -59,6 +59,14 @@ class Stuck(Exception):
     exit_code = 6
 
 
+class PeerLost(UserError):
+    """A collective failed because another process died or stopped answering; exit code 1, as the crash it follows.
+    Said by each process that saw it (the main process may be the one that is gone)."""
+
+    exit_code = 1
+    on_every_process = False
+
+
 class NothingCompleted(UserError):
     """A sweep ended without one complete trial (each failed or was pruned): there is no result; exit code 1."""
 

@@ -115,3 +115,17 @@ def first_message(message: str | None, accelerator: Accelerator) -> str | None:
     return f"process {rank}: {text}" if accelerator.num_processes > 1 else text
 
 
+
+
+LOST_PEER = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL communicator",
+             "ProcessGroupNCCL", "Broken pipe")
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether a collective failed because another process died or stopped answering (torch raises a RuntimeError
+    from gloo's or NCCL's transport, or one of its DistError classes)."""
+    import torch
+
+    distributed_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(err, distributed_error) or (isinstance(err, RuntimeError)
+                                                  and any(marker in str(err) for marker in LOST_PEER))

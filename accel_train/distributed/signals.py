@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from accel_train.console import say
 from accel_train.distributed.collectives import cpu_group
+from accel_train.distributed.environment import launcher_environment
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -93,7 +94,12 @@ class StopSignals:
         return received > 0
 
     def stop_message(self, step: int, saved) -> str:
+        """Where the run stopped and how it goes on: under a launcher that restarts (an elastic job's membership
+        change signals the workers too), the restart itself resumes."""
+        launcher = launcher_environment()
+        how = ("a restart by the launcher resumes from it (--max_restarts); else run the same command with resume=auto"
+               if launcher.max_restarts > launcher.restart else "run the same command with resume=auto to continue")
         return (f"stopped by {self.received or 'a signal to another process'} at step {step}; checkpoint saved in "
-                f"{saved}; run the same command with resume=auto to continue")
+                f"{saved}; {how}")
 
 
