@@ -40,12 +40,11 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
     if use_cpu and launcher.mixed_precision == "fp16":
-        if launcher.is_reporting_process:
-            print("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32", file=sys.stderr)
+        _warn_once("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32")
         mixed_precision = "no"
-    if use_cpu and launcher.uses_fsdp and launcher.is_reporting_process:
-        print("accel-train: warning: Accelerate runs FSDP on GPUs only; on this CPU every process holds the whole "
-              "model (DDP over a gloo group)", file=sys.stderr)
+    if use_cpu and launcher.uses_fsdp:
+        _warn_once("accel-train: warning: Accelerate runs FSDP on GPUs only; on this CPU every process holds the "
+                   "whole model (DDP over a gloo group)")
     form_group_apart_from_earlier_attempts(use_cpu, collective_timeout_s, launcher)
     # Without cpu=True, Accelerate on a GPU-less box under a multi-process launcher silently
     # trains N independent copies instead of joining one gloo process group.
@@ -71,8 +70,15 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     return accelerator
 
 
+def _warn_once(line: str) -> None:
+    """A warning about the launch, from the reporting process, once a process (a script may make several)."""
+    if line not in _GROUP["warned"] and launcher_environment().is_reporting_process:
+        print(line, file=sys.stderr)
+    _GROUP["warned"].add(line)
+
+
 # Whether the last command of this process finished its work (finish_command); whether the exit handler is registered
-_GROUP = {"finished": False, "registered": False}
+_GROUP = {"finished": False, "registered": False, "warned": set()}
 
 
 def finish_command(accelerator: Accelerator) -> None:
