@@ -3,14 +3,14 @@
 Run like the CLI (`accelerate launch tests/launched_probe.py train RECIPE ...`, or plain `python`); it runs
 the real CLI and loop, with the recorders (tests/support/recorders.py) and faults (tests/support/faults.py) that the
 PROBE_* variables ask for added through the package's hooks (accel_train.hooks): nothing of the package is
-reassigned (tests/test_rooms.py checks this file for it).
+reassigned (tests/package/test_rooms_and_hooks.py checks this file for it).
 
 Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process:
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
 - `crops` (with PROBE_CROPS=1 too): for each training batch the model received, its epoch and the sample index,
-  crop offsets and flip of each image, found from the pixels (conftest.CropFinder; small noise datasets only);
+  crop offsets and flip of each image, found from the pixels (support.recorders.CropFinder; small noise datasets only);
 - `inputs` (with PROBE_INPUTS=1 too): for each training batch the model received, its epoch and the label and a
-  digest of each input (conftest.inputs_of_training_batches; with labels that are sample indices, what each
+  digest of each input (support.recorders.inputs_of_training_batches; with labels that are sample indices, what each
   sample's transforms drew);
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses;
