@@ -1,5 +1,6 @@
-"""Contracts for inputs that used to end in a traceback or lose data: one line naming the problem, the exit code
-of README's table, and nothing of an earlier run overwritten."""
+"""Contracts for bad inputs (a folder that holds a run, an output_dir that is a file or cannot be written, a recipe
+that is no text, a damaged image or weights file, a full disk): one line naming the problem, the exit code of
+README's table, no traceback, and nothing of an earlier run overwritten."""
 
 import shutil
 import subprocess

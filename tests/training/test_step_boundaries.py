@@ -177,7 +177,7 @@ def test_a_checkpoint_restores_every_stateful_part_by_name_and_one_of_the_previo
     restored.load_state_dict(_read_loop_state(tmp_path, 0, meta)["progress"])
     assert (restored.step, restored.last_eval) == (12, {"accuracy": 0.5})
     assert restored.elapsed_before_s == pytest.approx(saved["progress"]["elapsed_s"])
-    # Before the parts had names, the meter's sums stood at the top level and the progress in checkpoint.json.
+    # The other layout read: the meter's sums at the top level of loop_state, the progress in checkpoint.json.
     (tmp_path / "loop_state_0.json").write_text(json.dumps({**saved["meter"], "selection": saved["selection"],
                                                             "elapsed_s": 7.5}))
     assert _read_loop_state(tmp_path, 0, meta) == {
