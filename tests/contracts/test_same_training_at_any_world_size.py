@@ -27,7 +27,7 @@ SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96",
 UNEVEN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=50", "data.eval_subset=2", "train.batch_size=24",
           "train.eval_batch_size=4", "train.epochs=2", "train.log_every_steps=1", "train.plot=false"]
 # 2 epochs of 2 steps over 48 of the 50 samples; file-backed, one DataLoader worker a process, as wherever cores allow
-# one (keyed draws are the same with none: data_pipeline/test_data_paths_and_keyed_augmentation.py)
+# one (keyed draws are the same with none: data/test_data_paths_and_keyed_augmentation.py)
 AUGMENTED = [*UNEVEN, "data.augment=true", "seed=1"]
 FILE_BACKED = ["data.on_device=false", "data.num_workers=1"]
 

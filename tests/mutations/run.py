@@ -173,20 +173,20 @@ MUTATIONS = [
     Mutation("the augmentation key ignores the epoch (sample_keys)",
              "accel_train/data/keyed.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
              "offset = ((seed * 1_000_003 + 1) * 0x5851F42D4C957F2D) % 2**64",
-             ("tests/data_pipeline/test_data_paths_and_keyed_augmentation.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
-              "tests/data_pipeline/test_data_paths_and_keyed_augmentation.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
+              "tests/data/test_data_paths_and_keyed_augmentation.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
     # data/loaders.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
     # reaches only the seedable sampler).
     Mutation("the augmentation key ignores the epoch (the loop never hands the epoch to the on-device dataset)",
              "accel_train/data/loaders.py", "loader.dataset.set_epoch(epoch, seed)",
              "loader.dataset.set_epoch(0, seed)",
-             ("tests/data_pipeline/test_data_paths_and_keyed_augmentation.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
     # data/keyed.py, KeyedSamples: the epoch in the key that seeds each sample's transforms wherever a DataLoader serves
     # samples one by one (ImageFolder, data.on_device=false, a user's dataset); sample_keys itself stays whole.
     Mutation("the per-sample key ignores the epoch (per-sample transforms: KeyedSamples)",
              "accel_train/data/keyed.py", "keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()",
              "keys = sample_keys(torch.as_tensor(indices), 0, seed).tolist()",
-             ("tests/data_pipeline/test_data_paths_and_keyed_augmentation.py::test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch",)),
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch",)),
     # run/folder.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
     Mutation("starts.jsonl records no world size (a job that lost a machine looks like one that did not)",
              "accel_train/run/folder.py", '"world_size": state.launch["world_size"], ', "",
