@@ -50,7 +50,7 @@ test: install data lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(MAKE) --no-print-directory test-min
 
-# The tests that start no process (tests/conftest.py marks the others `processes`, from the code they run).
+# The tests that start no process (tests/support/processes.py marks the others `processes`, from the code they run).
 test-fast: install data lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m 'not processes'
 

@@ -6,15 +6,17 @@
 #
 #   bash examples/resume_at_another_world_size.sh [OUTPUT_ROOT] [KEY=VALUE ...]
 #
-# PROFILE (default: the shipped multi_gpu profile, which forms a gloo group on CPUs) and STOP_AFTER_STEP (default 300: 100 steps
-# into the second of 2 epochs of 200) may be set in the environment. The model has no dropout: dropout masks
-# are drawn per process and cannot be the same at another world size.
+# PROFILE (default: the shipped multi_gpu profile, which forms a gloo group on CPUs), STOP_AFTER_STEP (default 300:
+# 100 steps into the second of 2 epochs of 200) and LAUNCH_TARGET (default: -m accel_train; a script that wraps the
+# CLI instead, as the test suite's tests/launched_probe.py does) may be set in the environment. The model has no
+# dropout: dropout masks are drawn per process and cannot be the same at another world size.
 set -euo pipefail
 
 root=${1:-runs/world_size}
 shift || true
 profile=${PROFILE:-$(accel-train profile multi_gpu)}
 stop_after=${STOP_AFTER_STEP:-300}
+read -r -a target <<< "${LAUNCH_TARGET:--m accel_train}"
 run=(fashion_mnist_cnn model.dropout=false train.batch_size=96 data.train_subset=19200 train.epochs=2
      train.log_every_steps=25 checkpoint.at_epoch_end=false train.plot=false "$@")
 rm -rf "$root"
@@ -22,7 +24,7 @@ rm -rf "$root"
 train_at() {  # train_at PROCESSES OUTPUT_DIR [KEY=VALUE ...]
     local processes=$1 out=$2
     shift 2
-    accelerate launch --config_file "$profile" --num_processes "$processes" -m accel_train train "${run[@]}" \
+    accelerate launch --config_file "$profile" --num_processes "$processes" "${target[@]}" train "${run[@]}" \
         "output_dir=$out" "$@"
 }
 

@@ -3,14 +3,16 @@
 Run like the CLI (`accelerate launch tests/launched_probe.py train RECIPE ...`, or plain `python`); it runs
 the real CLI and loop, with the recorders (tests/support/recorders.py) and faults (tests/support/faults.py) that the
 PROBE_* variables ask for added through the package's hooks (accel_train.hooks): nothing of the package is
-reassigned (tests/test_rooms.py checks this file for it).
+reassigned (tests/package/test_rooms_and_hooks.py checks this file for it).
 
-Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process:
+Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process that ends its run without an error
+(to PROBE_DIR/NAME/rank{R}.json with PROBE_DIR_PER_RUN=1 too, NAME the last part of the run's output_dir: a script
+that launches several runs with one environment):
 - `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
 - `crops` (with PROBE_CROPS=1 too): for each training batch the model received, its epoch and the sample index,
-  crop offsets and flip of each image, found from the pixels (conftest.CropFinder; small noise datasets only);
+  crop offsets and flip of each image, found from the pixels (support.recorders.CropFinder; small noise datasets only);
 - `inputs` (with PROBE_INPUTS=1 too): for each training batch the model received, its epoch and the label and a
-  digest of each input (conftest.inputs_of_training_batches; with labels that are sample indices, what each
+  digest of each input (support.recorders.inputs_of_training_batches; with labels that are sample indices, what each
   sample's transforms drew);
 - `lr`: for every shipped schedule (with warmup), the LR at each optimizer step through a scheduler
   prepared by the same Accelerator setup the loop uses;
@@ -22,7 +24,9 @@ Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each proce
 - `step_lr`: [optimizer step, LR it applied] for every optimizer step of the run;
 - `allreduce_at`: the training forward passes (micro-steps, counted from 1) after which DDP all-reduced
   gradients (its communication hook ran), once per micro-step.
-- `meter` and `step_lr` come from the same point (`optimizer_stepped`): what the loop applied.
+- `meter` and `step_lr` come from the same point (`optimizer_stepped`): what the loop applied;
+- `metrics_at_start`: the lines of output_dir/metrics.jsonl when the process started (a resume keeps those of the
+  steps before its checkpoint as they were).
 The recorders never change what the run computes.
 
 Faults:
@@ -49,6 +53,10 @@ Faults:
   silent failure the world-size check stops.
 - PROBE_SIGNALS_AT=STEP makes process 0 send itself SIGTERM during optimizer step STEP, then SIGINT (a second
   signal, as a launcher forwarding Ctrl-C again) as soon as the checkpoint that the first one asked for starts.
+- PROBE_WAIT_FOR_SIGNAL=NAME:STEP: in the run whose output_dir is named NAME, every process waits after optimizer
+  step STEP until it receives SIGTERM or SIGINT, so that a script that signals the launcher once a line is logged
+  stops the run at a known step (with train.eval_every_steps=STEP the processes agree on the signal there). A resume
+  of that run in the same folder starts past STEP and never waits.
 - PROBE_LOAD_API_ERROR=1 makes Accelerator.load_state raise the TypeError accelerate 1.2 raised for an argument
   it did not know yet: a library that differs, with every checkpoint file whole.
 """
@@ -95,8 +103,8 @@ def nonfinite(spec: str) -> faults.NonFinite:
     return faults.NonFinite(step, process, where)
 
 
-def faults_asked() -> list:
-    """The faults the PROBE_* variables ask for."""
+def faults_asked(run_name: str) -> list:
+    """The faults the PROBE_* variables ask for, in the run whose output_dir is named `run_name`."""
     env, asked = os.environ, []
     if env.get("PROBE_NONFINITE"):
         asked.append(nonfinite(env["PROBE_NONFINITE"]))
@@ -117,7 +125,22 @@ def faults_asked() -> list:
         asked.append(faults.SignalsAt(whole_number("PROBE_SIGNALS_AT")))
     if env.get("PROBE_NO_PROCESS_GROUP"):
         asked.append(faults.NoProcessGroup())
+    if env.get("PROBE_WAIT_FOR_SIGNAL"):
+        name, _, step = env["PROBE_WAIT_FOR_SIGNAL"].rpartition(":")
+        if not name or not step.isdigit():
+            sys.exit(f"PROBE_WAIT_FOR_SIGNAL={env['PROBE_WAIT_FOR_SIGNAL']}: expected NAME:STEP")
+        if name == run_name:
+            asked.append(faults.WaitForSignal(int(step)))
     return asked
+
+
+def lines_of(folder: str, name: str) -> list[str]:
+    """The lines of folder/name, with their ends; none where it does not exist."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as file:
+        return file.read().splitlines(keepends=True)
 
 
 def lr_traces(seed: int) -> tuple[dict, int]:
@@ -144,10 +167,14 @@ def lr_traces(seed: int) -> tuple[dict, int]:
 
 if __name__ == "__main__":
     seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("seed=")), 0)
+    output_dir = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("output_dir=")), "")
+    run_name = os.path.basename(os.path.normpath(output_dir)) if output_dir else ""
     out = os.environ.get("PROBE_DIR")
+    if out and os.environ.get("PROBE_DIR_PER_RUN"):
+        out = os.path.join(out, run_name)
     record = {"batches": [], "crops": [], "inputs": [], "allreduce_at": [], "eval_sets": [], "saves": [],
-              "dropout": [], "meter": [], "step_lr": []}
-    added = faults_asked()
+              "dropout": [], "meter": [], "step_lr": [], "metrics_at_start": lines_of(output_dir, "metrics.jsonl")}
+    added = faults_asked(run_name)
     if out:
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group
         added.append(recorders.Run(record))

@@ -43,90 +43,91 @@ class Mutation:
 MUTATIONS = [
     Mutation("per-process reseed dropped (every process draws the same dropout masks)",
              "accel_train/training/setup.py", "set_seed(config.seed, device_specific=True)", "set_seed(config.seed)",
-             ("tests/test_checkpoint.py::test_dropout_draws_differ_per_process",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_dropout_draws_differ_per_process",)),
     Mutation("split_batches off (batch_size per process instead of global)",
              "accel_train/distributed/accelerator.py", "split_batches=True", "split_batches=False",
-             ("tests/test_equivalence.py::test_n_processes_with_batch_b_end_with_the_weights_of_one_process_with_batch_nb",)),
+             ("tests/contracts/test_same_training_at_any_world_size.py::test_n_processes_with_batch_b_end_with_the_weights_of_one_process_with_batch_nb",)),
     Mutation("skip_first_batches skipped (a resumed epoch starts from its first batch)",
              "accel_train/training/steps.py",
              "micro_batches = self.accelerator.skip_first_batches(self.loader, micro_batches_done)",
              "micro_batches = self.loader",
-             ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
     Mutation("gather instead of gather_for_metrics (eval counts the last batch's padding)",
              "accel_train/training/evaluation.py", "accelerator.gather_for_metrics(outputs)",
              "accelerator.gather(outputs)",
-             ("tests/test_distributed.py::test_eval_is_exact_at_any_world_size",)),
+             ("tests/distributed/test_exact_eval_at_any_world_size_and_world_size_checks.py::test_eval_is_exact_at_any_world_size",)),
     Mutation("checkpoint metadata written before the files (published, then saved into)",
              "accel_train/run/checkpoint.py", "            accelerator.save_state(str(partial))\n",
              "            if accelerator.is_main_process:\n"
              "                self._publish(progress, evaluated, partial, name, 0.0)\n"
              "            accelerator.save_state(str(partial))\n",
-             ("tests/test_checkpoint.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",
-              "tests/test_checkpoint.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",
+              "tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
     Mutation("SIGTERM ignored (not handled: the process dies without saving)",
              "accel_train/distributed/signals.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)",
              "HANDLED = (signal.SIGINT,)",
-             ("tests/test_checkpoint.py::-k single_process",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::-k single_process",)),
     Mutation("stop signal decided without the all-reduce (each process decides alone)",
              "accel_train/distributed/signals.py",
              "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))",
              "pass",
-             ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
     Mutation("scheduler stepped twice per optimizer step",
              "accel_train/training/loop.py", "                run.scheduler.step()\n",
              "                run.scheduler.step()\n                run.scheduler.step()\n",
-             ("tests/test_equivalence.py::test_learning_rate_at_every_step_is_the_same_at_1_2_and_3_processes",)),
+             ("tests/contracts/test_same_training_at_any_world_size.py::test_learning_rate_at_every_step_is_the_same_at_1_2_and_3_processes",)),
     Mutation("world-size guard dropped (N processes that formed no group run alone)",
              "accel_train/distributed/accelerator.py",
              "if launcher.world_size is not None and launcher.world_size != accelerator.num_processes:", "if False:",
-             ("tests/test_distributed.py::test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alone",)),
+             ("tests/distributed/test_exact_eval_at_any_world_size_and_world_size_checks.py::test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alone",)),
     Mutation("train line not averaged over processes (process 0's loss only)",
              "accel_train/training/meter.py", "every[:, :-1].mean(0)", "every[0, :-1]",
-             ("tests/test_checkpoint.py::test_a_train_line_averages_the_loss_over_its_steps_and_over_the_processes",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_train_line_averages_the_loss_over_its_steps_and_over_the_processes",)),
     Mutation("a non-finite step still updates the weights (on_nonfinite=skip)",
              "accel_train/training/guard.py", "self._apply(optimizer, bad)",
              "self._apply(optimizer, torch.zeros_like(bad))",
-             ("tests/test_vae.py::test_on_nonfinite_skip_leaves_the_weights_of_the_skipped_step_untouched_and_trains_on",)),
+             ("tests/training/test_nonfinite_guard.py::test_on_nonfinite_skip_leaves_the_weights_of_the_skipped_step_untouched_and_trains_on",)),
     Mutation("no checkpoint saved on a stop signal",
              "accel_train/training/loop.py",
              "                if stopping or run.checkpoints.due(progress, last=stop_early or progress.finished):\n",
              '                saved = "nowhere"\n'
              "                if run.checkpoints.due(progress, last=stop_early or progress.finished):\n",
-             ("tests/test_checkpoint.py::-k single_process",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::-k single_process",)),
     Mutation("a second signal cuts the save short (Python's Ctrl-C comes back after the first)",
              "accel_train/distributed/signals.py", "            self.received = signal.Signals(signum).name\n",
              "            self.received = signal.Signals(signum).name\n"
              "            signal.signal(signal.SIGINT, signal.default_int_handler)\n",
-             ("tests/test_checkpoint.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short",)),
     Mutation("VAE prior samples drawn from the global RNG (a different grid each evaluation)",
              "accel_train/workloads/tasks/vae.py", ", generator=torch.Generator().manual_seed(self.seed))", ")",
-             ("tests/test_vae.py::test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_global_rng",)),
+             ("tests/workloads/test_vae.py::test_prior_samples_decode_the_same_draws_at_every_evaluation_whatever_the_global_rng",)),
     Mutation("train.compile ignored",
              "accel_train/workloads/models.py", "        model.compile()\n", "        pass\n",
-             ("tests/test_speed_switches.py",)),
+             ("tests/training/test_compile_and_channels_last_change_speed_only.py",)),
     Mutation("train.collective_timeout_s not passed to the process group (torch's default applies)",
              "accel_train/distributed/accelerator.py",
              "kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],",
              "kwargs_handlers=[],",
-             ("tests/test_checkpoint.py::test_a_hung_process_fails_the_others_at_collective_timeout_s",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_hung_process_fails_the_others_at_collective_timeout_s",)),
     Mutation("a resume at another world size ignores the position in the epoch (starts the epoch over)",
              "accel_train/run/checkpoint.py", "epoch, done = resume_position(meta)",
              'epoch, done = resume_position(meta) if meta["world_size"] == accelerator.num_processes else '
              '(meta["epoch"], 0)',
-             ("tests/test_world_size_resume.py::test_a_resume_at_another_world_size_trains_the_same_global_batches_at_the_same_lr",)),
+             ("tests/contracts/test_resume_at_another_world_size.py::test_a_resume_at_another_world_size_trains_the_same_global_batches_at_the_same_lr",)),
     Mutation("seedable sampler off (data order no longer a function of seed and epoch alone)",
              "accel_train/distributed/accelerator.py", "use_seedable_sampler=True", "use_seedable_sampler=False",
-             ("tests/test_equivalence.py::test_shuffling_is_a_function_of_seed_and_epoch",
-              "tests/test_equivalence.py::test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs")),
+             ("tests/contracts/test_same_training_at_any_world_size.py::test_shuffling_is_a_function_of_seed_and_epoch",
+              "tests/contracts/test_same_training_at_any_world_size.py::test_shuffling_is_the_same_at_any_world_size_and_differs_between_epochs")),
     Mutation("doctor takes whatever accepts a connection on the main port for machine 0's rendezvous",
              "accel_train/launch/doctor.py", "why = store_answers(address, port, timeout)", "why = None",
-             ("tests/test_doctor.py::test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_the_main_nodes_rendezvous",)),
+             ("tests/launching/test_doctor.py::test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_the_main_nodes_rendezvous",)),
     Mutation("eval and resume take any setting, whatever the run was trained with",
-             "accel_train/config/compatibility.py", "    found = contradictions(recorded, config)\n", "    found = []\n",
-             ("tests/test_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
+             "accel_train/config/compatibility.py", "    found = contradictions(recorded, config)\n",
+             "    found = []\n",
+             ("tests/run_folder/test_eval_predict_and_resume_read_the_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
     Mutation("the checkpoint line printed over the progress bar",
              "accel_train/run/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
-             ("tests/test_watching.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
+             ("tests/run_folder/test_watching_a_run.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
     # guard.py, NonFiniteGuard.step: the flag of this process's terms reduced (max) over every process. A NaN loss
     # reaches the gradients, whose all-reduce spreads it anyway; a non-finite loss value whose gradients stay
     # finite does not, so without the reduction only the process that saw it skips and stops.
@@ -134,100 +135,100 @@ MUTATIONS = [
              "accel_train/training/guard.py",
              'self.accelerator.reduce((~torch.isfinite(checked)).any().float(), reduction="max")',
              "(~torch.isfinite(checked)).any().float()",
-             ("tests/test_vae.py::test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step",)),
+             ("tests/training/test_nonfinite_guard.py::test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step",)),
     # loop.py, save(): the guard's host read before a checkpoint. The stop tests that log every step stop at the
     # train line first; with the non-finite step between train lines, this check alone keeps it out of a save.
     Mutation("no guard check before a save (a checkpoint written past a non-finite step)",
              "accel_train/training/loop.py",
              "run.guard.check(run.progress)  # never save past a non-finite step (stop policy)", "pass",
-             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+             ("tests/training/test_nonfinite_guard.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
     # loop.py, validate(): the same check before an evaluation (its metrics line, model selection, early stop).
     Mutation("no guard check before an evaluation (metrics of a step past a non-finite one)",
              "accel_train/training/loop.py",
              "run.guard.check(run.progress)  # nothing is evaluated past a non-finite step", "pass",
-             ("tests/test_vae.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
+             ("tests/training/test_nonfinite_guard.py::test_a_nonfinite_step_between_train_lines_stops_the_run_before_the_next_checkpoint_or_evaluation",)),
     # ema.py, WeightsEMA.update: the average taken after each optimizer step (the first copies the weights).
     Mutation("the EMA update skipped (model_ema keeps the initial weights)",
              "accel_train/training/ema.py", "self.averaged.update_parameters(self.accelerator.unwrap_model(model))",
              "pass",
-             ("tests/test_regularisation.py::test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_model",)),
+             ("tests/training/test_regularisation_and_model_selection.py::test_the_ema_is_the_decayed_average_of_the_weights_and_loads_into_the_plain_model",)),
     # setup.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
     # and divides the loss by, one more than the micro-batches the loader cuts a step's batch into.
     Mutation("the accumulation boundary off by one (an optimizer step every accumulation + 1 micro-batches)",
              "accel_train/training/setup.py", "accelerator.gradient_accumulation_steps = accumulation",
              "accelerator.gradient_accumulation_steps = accumulation + 1",
-             ("tests/test_accumulation.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
+             ("tests/contracts/test_accumulation_trains_like_one_global_batch.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
     # data/validation.py, hold_out_validation: the training set is what is left after the held-out samples.
     Mutation("the validation split overlapping the training set (held-out samples trained on)",
              "accel_train/data/validation.py",
              "held, kept = order[:count].sort().values, order[count:].sort().values",
              "held, kept = order[:count].sort().values, order.sort().values",
-             ("tests/test_regularisation.py::test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented",)),
+             ("tests/training/test_regularisation_and_model_selection.py::test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented",)),
     # prediction.py, predict: the gathered index says which file a row belongs to.
     Mutation("predict rows attached to the wrong files (each file gets its neighbour's row)",
              "accel_train/training/prediction.py", "found[index] = (labels, scores)",
              "found[(index + 1) % len(files)] = (labels, scores)",
-             ("tests/test_user_code.py::test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file",)),
+             ("tests/workloads/test_user_code_python_api_and_predict.py::test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file",)),
     # data/keyed.py, sample_keys: the epoch in the key of a sample's crop and flip.
     Mutation("the augmentation key ignores the epoch (sample_keys)",
              "accel_train/data/keyed.py", "offset = ((seed * 1_000_003 + epoch + 1) * 0x5851F42D4C957F2D) % 2**64",
              "offset = ((seed * 1_000_003 + 1) * 0x5851F42D4C957F2D) % 2**64",
-             ("tests/test_data_paths.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
-              "tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_only",
+              "tests/data/test_data_paths_and_keyed_augmentation.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size")),
     # data/loaders.py, start_epoch: the loop hands the on-device dataset the epoch its keys use (Accelerate's set_epoch
     # reaches only the seedable sampler).
     Mutation("the augmentation key ignores the epoch (the loop never hands the epoch to the on-device dataset)",
              "accel_train/data/loaders.py", "loader.dataset.set_epoch(epoch, seed)",
              "loader.dataset.set_epoch(0, seed)",
-             ("tests/test_data_paths.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_every_epoch_crops_and_flips_each_sample_anew_at_any_world_size",)),
     # data/keyed.py, KeyedSamples: the epoch in the key that seeds each sample's transforms wherever a DataLoader serves
     # samples one by one (ImageFolder, data.on_device=false, a user's dataset); sample_keys itself stays whole.
     Mutation("the per-sample key ignores the epoch (per-sample transforms: KeyedSamples)",
              "accel_train/data/keyed.py", "keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()",
              "keys = sample_keys(torch.as_tensor(indices), 0, seed).tolist()",
-             ("tests/test_data_paths.py::test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch",)),
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch",)),
     # run/folder.py, RunFolder: each start's world size, which is how an elastic job's loss of a machine shows.
     Mutation("starts.jsonl records no world size (a job that lost a machine looks like one that did not)",
              "accel_train/run/folder.py", '"world_size": state.launch["world_size"], ', "",
-             ("tests/test_elastic.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
+             ("tests/launching/test_elastic_jobs_lose_and_gain_machines.py::test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_"
               "finishes[killed]",)),
-    # distributed/watchdog.py, Watchdog._watch: the bound that makes every process dump its stacks and the main one name the
-    # stopped process; without it the others wait in their collective until train.collective_timeout_s.
+    # distributed/watchdog.py, Watchdog._watch: the bound that makes every process dump its stacks and the main one
+    # name the stopped process; without it the others wait in their collective until train.collective_timeout_s.
     Mutation("a stuck process is never named (the watchdog never fires)",
              "accel_train/distributed/watchdog.py", "            if idle > self.bound:", "            if False:",
-             ("tests/test_stuck.py::test_a_blocked_worker_is_named_with_its_host_step_and_function_and_the_restarted_"
+             ("tests/distributed/test_a_stuck_process_is_named.py::test_a_blocked_worker_is_named_with_its_host_step_and_function_and_the_restarted_"
               "run_resumes",
-              "tests/test_stuck.py::test_a_single_process_that_stops_names_itself_and_ends_with_exit_6")),
+              "tests/distributed/test_a_stuck_process_is_named.py::test_a_single_process_that_stops_names_itself_and_ends_with_exit_6")),
     # launch/settings.py, add_arguments: accelerate launch takes one number of machines; a range asks for torchrun.
     Mutation("accel-train launch takes a range of machines (argparse's usage instead of the elastic command)",
              "accel_train/launch/settings.py", 'parser.add_argument("--num_machines", type=machine_count)',
              'parser.add_argument("--num_machines", type=int)',
-             ("tests/test_multi_machine_start.py::test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_"
+             ("tests/launching/test_multi_machine_start.py::test_accel_train_launch_refuses_a_range_of_machines_in_one_line_naming_"
               "the_elastic_torchrun_command",)),
     # meter.py, timed: the wait for each batch is what data_wait reports.
     Mutation("the wait for a batch not counted (data_wait always 0, no warning for a slow input)",
              "accel_train/training/meter.py", "self.waited += self.clock() - asked", "pass",
-             ("tests/test_step_boundaries.py::-k data_wait or waits_for_data",)),
+             ("tests/training/test_step_boundaries.py::-k data_wait or waits_for_data",)),
     # layout.py, read_jsonl: only a last line cut short is skipped; a damaged one before others is named.
     Mutation("a damaged metrics.jsonl line in the middle skipped silently",
              "accel_train/run/layout.py", "if any(later.strip() for later in texts[number:]):", "if False:",
-             ("tests/test_watching.py::-k damaged",)),
+             ("tests/run_folder/test_watching_a_run.py::-k damaged",)),
     # run/display.py, leaving_room_for_an_echo: the terminal's "^C" echo must fit beside the bar.
     Mutation("a bar as wide as the terminal (Ctrl-C's echo wraps and leaves a stale bar)",
              "accel_train/run/display.py", "return (max(1, columns - 2) if columns else columns), rows",
-             "return columns, rows", ("tests/test_watching.py::-k ctrl_c",)),
+             "return columns, rows", ("tests/run_folder/test_watching_a_run.py::-k ctrl_c",)),
     # loop.py: the observers close however training ends, so a stop line starts a line of its own.
     Mutation("the bar left open when a signal stops the run (the stop line starts at the bar's end)",
              "accel_train/training/loop.py", "run.observers as observers, run.watchdog:\n",
              "run.watchdog:\n        observers = run.observers\n",
-             ("tests/test_watching.py::-k ctrl_c",)),
-    # distributed/collectives.py, processes_where: with micro_batch_size=auto, whether any process ran out of memory in a step,
-    # agreed over the CPU group. Without it the process that ran out halves its micro-batch alone: the others never
-    # learn of it, so no warning, no record, and the checkpoint keeps the micro-batch that ran out.
+             ("tests/run_folder/test_watching_a_run.py::-k ctrl_c",)),
+    # distributed/collectives.py, processes_where: with micro_batch_size=auto, whether any process ran out of memory
+    # in a step, agreed over the CPU group. Without it the process that ran out halves its micro-batch alone: the
+    # others never learn of it, so no warning, no record, and the checkpoint keeps the micro-batch that ran out.
     Mutation("processes do not agree that one ran out of memory (micro_batch_size=auto: it halves alone)",
              "accel_train/distributed/collectives.py",
              "dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(timeout_s))", "pass",
-             ("tests/test_out_of_memory.py::test_one_process_running_out_makes_every_process_redo_the_step_with_half_"
+             ("tests/training/test_out_of_memory_halves_the_micro_batch_on_every_process.py::test_one_process_running_out_makes_every_process_redo_the_step_with_half_"
               "the_micro_batch",)),
     # sweep/runner.py, report: a trial the pruner rejects is sent SIGTERM, so it saves and exits 75.
     Mutation("a pruned trial is not stopped (it trains to the end, only recorded as pruned)",
@@ -236,20 +237,20 @@ MUTATIONS = [
              "stopping it\")\n    process.stop()\n",
              "    say(f\"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
              "stopping it\")\n",
-             ("tests/test_sweep.py::-k six_trial",)),
+             ("tests/tools/test_sweep.py::-k six_trial",)),
     # sweep/trial.py, _dies_with_the_sweep: a killed sweep's trial gets SIGTERM and saves, so the rerun resumes it.
     Mutation("a killed sweep leaves its trial training alone (no SIGTERM from the kernel)",
              "accel_train/sweep/trial.py", "ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)",
-             "pass", ("tests/test_sweep.py::-k killed",)),
+             "pass", ("tests/tools/test_sweep.py::-k killed",)),
     # sweep/study.py, new_trial: the sampler is seeded from (seed, trial number).
     Mutation("the sampler not seeded (the same seed samples other values)",
              "accel_train/sweep/study.py", "TPESampler(seed=trial_seed(seed, len(study.trials)),",
-             "TPESampler(seed=None,", ("tests/test_sweep.py::-k same_seed_samples",)),
+             "TPESampler(seed=None,", ("tests/tools/test_sweep.py::-k same_seed_samples",)),
     # config/recipes.py: train.lr_base computes train.lr from the global batch.
     Mutation("train.lr_base ignored (train.lr stays the recipe's at any batch size)",
              "accel_train/config/recipes.py", "    _resolve_lr(config.train, lr_given=",
              "    (lambda *a, **k: None)(config.train, lr_given=",
-             ("tests/test_cli_and_config.py::-k lr_base",)),
+             ("tests/config/test_config_and_command_line.py::-k lr_base",)),
 ]
 
 

@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import torch
 from accelerate import PartialState
@@ -120,6 +121,44 @@ class CrashAfterSave(hooks.Hooks):
         if progress.step == self.step:
             sys.stdout.flush()
             os._exit(1)
+
+
+class WaitForSignal(hooks.Hooks):
+    """After optimizer step `step`, every process waits until it receives SIGTERM or SIGINT (at most `timeout_s`):
+    a script that signals the launcher once a line is logged then stops the run at a known step, the first where
+    the processes agree on a signal after it (an evaluation agrees at once: train.eval_every_steps).
+
+    The run's own handler still receives the signal: this one, set at the first micro-batch (training has started
+    and the run's handlers are in place), notes it and calls that handler. A run that starts past step 0 (a resume)
+    never waits."""
+
+    def __init__(self, step: int | None, timeout_s: float = 120) -> None:
+        self.step, self.timeout_s, self.received, self.listening = step, timeout_s, [], False
+
+    def micro_batch_loaded(self, progress, batch):
+        if not self.listening:
+            self.listening = True
+            if progress.step > 0:
+                self.step = None
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._chain(signum, signal.getsignal(signum))
+
+    def _chain(self, signum, handler):
+        def note(number, frame):
+            self.received.append(number)
+            if callable(handler):
+                handler(number, frame)
+
+        signal.signal(signum, note)
+
+    def optimizer_stepped(self, progress, terms, skipped, lr):
+        if progress.step != self.step:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not self.received:
+            if time.monotonic() > deadline:
+                sys.exit(f"no SIGTERM or SIGINT within {self.timeout_s} s of step {self.step}")
+            time.sleep(0.02)
 
 
 class Crash(Exception):

@@ -60,7 +60,7 @@ class BlockingPoints(Dataset):
     """points(), except that the training set blocks forever in __getitem__ on purpose: at the call `block` names
     for this process, "PROCESS@CALL" (its CALL-th sample; evaluation does not count), one per start of the run,
     comma-separated (start N: the launcher's restart N; no block past the last). As it blocks, it appends
-    "RESTART TIME" to the file `note`. A stuck process, for tests/test_stuck.py."""
+    "RESTART TIME" to the file `note`. A stuck process, for tests/distributed/test_a_stuck_process_is_named.py."""
 
     def __init__(self, train: bool, size: int, block: str, note: str) -> None:
         self.samples, self.train, self.note, self.calls = points(train, size), train, note, 0

@@ -1,0 +1,181 @@
+"""Contracts for bad inputs (a folder that holds a run, an output_dir that is a file or cannot be written, a recipe
+that is no text, a damaged image or weights file, a full disk): one line naming the problem, the exit code of
+README's table, no traceback, and nothing of an earlier run overwritten."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from support.commands import run_cli, train_in_process
+from support.locations import REPO, needs_fashion_mnist
+from support.runs import read_metrics
+
+TINY = ["data.synthetic=true", "data.train_subset=24", "data.eval_subset=10", "train.batch_size=12",
+        "train.max_steps=2", "train.log_every_steps=1", "train.plot=false"]
+
+
+def one_error(result, exit_code: int) -> str:
+    """The run failed with `exit_code` and said why in exactly one line, without a traceback."""
+    assert result.returncode == exit_code, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    return line
+
+
+def test_training_into_a_folder_that_holds_a_run_is_refused_and_leaves_it_untouched(tmp_path):
+    train_in_process("mnist_cnn", f"output_dir={tmp_path}", *TINY)
+    before = {name: (tmp_path / name).read_bytes() for name in ("metrics.jsonl", "config.yaml", "model.safetensors")}
+    error = one_error(run_cli("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY, "train.lr=0.5", check=False), 2)
+    assert f"output_dir={tmp_path} already holds a run" in error and "resume=auto" in error
+    assert all((tmp_path / name).read_bytes() == content for name, content in before.items())
+    # resume=PATH of a checkpoint from another folder would overwrite it as well
+    other = tmp_path.parent / "other_run"
+    train_in_process("mnist_cnn", f"output_dir={other}", *TINY)
+    foreign = next((other / "checkpoints").iterdir())
+    error = one_error(run_cli("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY, f"resume={foreign}",
+                              check=False), 2)
+    assert "is not one of its checkpoints" in error
+
+
+def test_resume_auto_is_the_one_command_for_the_first_start_and_every_restart(tmp_path, capsys):
+    out = tmp_path / "run"
+    train_in_process("mnist_cnn", f"output_dir={out}", *TINY, "resume=auto")
+    assert "no checkpoint" in capsys.readouterr().out
+    assert [line["step"] for line in read_metrics(out, "train")] == [1, 2]
+    train_in_process("mnist_cnn", f"output_dir={out}", *TINY, "resume=auto")
+    assert "nothing left to train" in capsys.readouterr().out
+    assert [line["step"] for line in read_metrics(out, "train")] == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["the folder itself", "a parent"])
+def test_an_output_dir_that_is_a_file_is_refused_before_any_work(tmp_path, where):
+    file = tmp_path / "results.txt"
+    file.write_text("not a folder")
+    output_dir = file if where == "the folder itself" else file / "run"
+    error = one_error(run_cli("train", "mnist_cnn", f"output_dir={output_dir}", *TINY, check=False), 2)
+    assert str(output_dir) in error and "a file" in error
+    assert file.read_text() == "not a folder"
+
+
+def test_a_recipe_that_is_a_folder_or_not_text_is_named_in_one_line(tmp_path):
+    error = one_error(run_cli("train", str(tmp_path), check=False), 2)
+    assert f"recipe {tmp_path} is a folder" in error
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    error = one_error(run_cli("train", str(binary), check=False), 2)
+    assert str(binary) in error
+
+
+def image_folder(root, per_class=4):
+    for split in ("train", "val"):
+        for index, name in enumerate(("cat", "dog")):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (48, 40), (index * 90, i * 50, 100)).save(folder / f"{i}.jpg", quality=95)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_truncated_jpeg_in_an_image_folder_is_named_in_one_line(tmp_path, workers):
+    image_folder(tmp_path / "images")
+    broken = tmp_path / "images" / "train" / "dog" / "2.jpg"
+    broken.write_bytes(broken.read_bytes()[:300])
+    result = run_cli("train", "imagefolder", f"data.root={tmp_path / 'images'}", "model.name=resnet18",
+                     "data.image_size=32", f"data.num_workers={workers}", f"output_dir={tmp_path / 'run'}",
+                     "train.batch_size=8", "train.eval_batch_size=8", "train.epochs=1", check=False)
+    error = one_error(result, 3)
+    assert f"cannot read {broken}" in error and "delete or replace that file" in error
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    train_in_process("mnist_cnn", f"output_dir={out}", *TINY)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors"])
+def test_eval_of_damaged_weights_says_which_file_in_one_line(trained, tmp_path, damage):
+    weights = tmp_path / "model.safetensors"
+    shutil.copy(trained / "model.safetensors", weights)
+    weights.write_bytes(weights.read_bytes()[:1000] if damage == "truncated" else b"PK\x03\x04 a zip, not weights")
+    error = one_error(run_cli("eval", "mnist_cnn", f"checkpoint={tmp_path}", *TINY, check=False), 3)
+    assert str(weights) in error and "not a readable safetensors file" in error
+
+
+def test_eval_refuses_weights_of_another_model_in_one_line(trained, tmp_path):
+    """Weights without their run folder (no config.yaml to compare with): their tensors do not fit."""
+    shutil.copy(trained / "model.safetensors", tmp_path / "model.safetensors")
+    result = run_cli("eval", "cifar10_resnet50", f"checkpoint={tmp_path}", "data.synthetic=true", "data.eval_subset=4",
+                     check=False)
+    error = one_error(result, 2)
+    assert "does not fit model.name=resnet50" in error
+
+
+def test_a_refused_run_folder_answers_before_torch_loads(trained):
+    code = ("import sys\nfrom accel_train.cli import main\ntry:\n"
+            f"    main(['train', 'mnist_cnn', 'output_dir={trained}'])\nexcept SystemExit as stop:\n"
+            "    print('exit', stop.code, 'torch loaded' if 'torch' in sys.modules else 'torch not loaded')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "exit 2 torch not loaded", result.stdout + result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size, readonly) -> a folder on a tmpfs of that size; skips where mounting is not allowed."""
+    mounted = []
+
+    def mount(size: str, readonly: bool = False):
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        options = f"size={size}" + (",ro" if readonly else "")
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                                text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip()}); needs root or CAP_SYS_ADMIN")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_earlier_checkpoint_survives(small_disk):
+    from accel_train.run.checkpoint import list_checkpoints
+
+    disk = small_disk("20m")  # room for one checkpoint of mnist_cnn + AdamW (13.8 MiB), not two
+    result = run_cli("train", "mnist_cnn", f"output_dir={disk}", *TINY, "train.max_steps=4",
+                     "checkpoint.every_steps=2", check=False)
+    error = one_error(result, 74)
+    assert "no space left on the device" in error and "resume=auto" in error
+    assert [meta["step"] for _, meta in list_checkpoints(disk / "checkpoints")] == [2]
+
+
+def test_an_unwritable_output_dir_is_refused_before_any_work(small_disk):
+    disk = small_disk("1m", readonly=True)
+    error = one_error(run_cli("train", "mnist_cnn", f"output_dir={disk / 'run'}", *TINY, check=False), 74)
+    assert str(disk / "run") in error and "read-only file system" in error
+
+
+def test_an_unwritable_hugging_face_cache_is_named_before_training(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    result = run_cli("train", "mnist_cnn", f"output_dir={tmp_path / 'run'}", *TINY, check=False,
+                     env={"HF_HOME": str(not_a_folder / "hf")})
+    error = one_error(result, 74)
+    assert str(not_a_folder / "hf") in error and "set HF_HOME" in error
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before any training
+
+
+@needs_fashion_mnist
+def test_a_data_root_that_cannot_receive_the_local_dataset_copy_is_named(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    result = run_cli("train", "fashion_mnist_cnn", f"data.root={not_a_folder}", f"output_dir={tmp_path / 'run'}",
+                     "train.max_steps=1", check=False)
+    error = one_error(result, 74)
+    assert str(not_a_folder) in error and "set data.root to a folder you can write" in error
