@@ -50,9 +50,10 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     """Train; returns the final evaluation's metrics (every process gets the same)."""
     run = None if isinstance(recipe, Config) else run_folder_of(str(recipe))
     if run is not None and not any(str(override).startswith("output_dir=") for override in overrides):
-        raise UserError(f"train {recipe}: a run folder as the recipe trains that run again, into a folder of its own: "
-                        f"add output_dir=NEW (to continue {run} itself: accel-train train {run} output_dir={run} "
-                        "resume=auto)")
+        if not any(str(override).startswith("resume=") for override in overrides):
+            raise UserError(f"train {recipe}: a run folder as the recipe trains that run again, into a folder of its "
+                            f"own: add output_dir=NEW (to continue {run} itself: accel-train train {run} resume=auto)")
+        overrides = [*overrides, f"output_dir={run}"]  # resume given: that run itself continues, wherever it was
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
         raise UserError("train_dataset and eval_dataset: give both, or neither (the recipe's data.name is used)")
