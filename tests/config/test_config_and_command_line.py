@@ -16,8 +16,9 @@ SHIPPED = {"mnist_cnn", "fashion_mnist_cnn", "cifar10_resnet50", "stl10_resnet18
 
 
 @pytest.mark.parametrize("override, names", [
-    ("train.lrr=0.1", ["train.lrr", "train.lr", "train.batch_size"]),
-    ("trian.lr=0.1", ["trian", "train", "data"]),
+    ("train.lrr=0.1", ["train.lrr", "did you mean train.lr?"]),
+    ("trian.lr=0.1", ["trian", "did you mean train?"]),
+    ("train.learning_rate=0.1", ["train.learning_rate", "valid keys here", "train.lr", "train.batch_size"]),
     ("train.batch_size=many", ["train.batch_size", "integer", "many"]),
     ("train.lr=fast", ["train.lr", "number"]),
     ("train.optimizer=lion", ["train.optimizer", "adamw", "adam", "sgd"]),
@@ -224,18 +225,19 @@ def test_a_command_missing_its_recipe_names_only_what_is_required(capsys):
 
 def test_keys_prints_each_value_as_an_override_takes_it(capsys):
     """Every value `keys` shows, passed back as KEY=VALUE, gives that value: null, true, lists, mappings."""
-    main(["keys", "imagefolder", "model.args={depth: 3}", "data.mean=[0.5, 0.25, 0.125]"])
+    given = ["model.name=my_models:Net", "model.args={depth: 3}", "data.mean=[0.5, 0.25, 0.125]"]
+    main(["keys", "imagefolder", *given])
     rows = [line.split(None, 3) for line in capsys.readouterr().out.splitlines()]
     shown = {key: value for key, _, column, value in rows if column == "value"}
     assert len(shown) == len(rows) > 60
-    recipe = load_config("imagefolder", ["model.args={depth: 3}", "data.mean=[0.5, 0.25, 0.125]"])
+    recipe = load_config("imagefolder", given)
     for key, _, _, value in describe_keys(recipe):
         if key == "description":
             continue
         spelled_value = spelled(value)
         assert shown[key].startswith(spelled_value + " "), (key, shown[key])
-        again = {name: given for name, _, _, given in describe_keys(load_config("imagefolder",
-                                                                              [f"{key}={spelled_value}"]))}
+        again = {name: found for name, _, _, found in describe_keys(load_config("imagefolder",
+                                                                              [*given, f"{key}={spelled_value}"]))}
         assert again[key] == value, key
     assert shown["data.name"].startswith("imagefolder ") and shown["train.warmup_steps"].startswith("100 ")
     assert shown["data.train_subset"].startswith("null ") and shown["data.augment"].startswith("true ")

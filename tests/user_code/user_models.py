@@ -107,3 +107,27 @@ class HalfTask(accel_train.Task):
 
 
 NUMBER = 3
+
+
+def _to_input(image):
+    """A PIL image -> a 3x16x16 float tensor: how these images become a model's input."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.PILToTensor(), v2.RGB(), v2.Resize((16, 16)), v2.ToDtype(torch.float32, scale=True)])(image)
+
+
+def photos(train: bool, size: int = 48, transform: bool = True):
+    """FakeData of 3 classes as PIL images, each turned into an input by its `transform`, as torchvision's datasets
+    do (no `classes`: predict labels them by index); without `transform` a dataset predict cannot read files for."""
+    import torchvision
+
+    dataset = torchvision.datasets.FakeData(size if train else 24, image_size=(3, 20, 20), num_classes=3,
+                                            transform=_to_input, random_offset=0 if train else 1000)
+    if not transform:
+        return TensorDataset(torch.stack([dataset[i][0] for i in range(len(dataset))]),
+                             torch.tensor([dataset[i][1] for i in range(len(dataset))]))
+    return dataset
+
+
+def to_input(image):
+    return _to_input(image)
