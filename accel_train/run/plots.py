@@ -97,8 +97,17 @@ STATE_MARKERS = {"complete": {"marker": "o"}, "pruned": {"marker": "x"}}
 
 def plot_parameters(trials: list[dict], searched: list[tuple[str, bool, tuple | None]], metric: str,
                     output: Path) -> Path:
-    """A sweep's metric against each searched value, one panel per key: complete trials as dots, pruned ones as
-    crosses at their last evaluation, the best ringed. `searched`: (key, log scale, the choices or None) per key."""
+    """A sweep's metric against each searched value into `output` (draw_parameters)."""
+    figure = draw_parameters(trials, searched, metric)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100, pil_kwargs={"compress_level": 1})
+    return output
+
+
+def draw_parameters(trials: list[dict], searched: list[tuple[str, bool, tuple | None]], metric: str):
+    """One panel per searched key: complete trials as dots, pruned ones as crosses at their last evaluation, the best
+    ringed; a choice's values in the order the command gave them. `searched`: (key, log scale, the choices or None)
+    per key."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -129,6 +138,4 @@ def plot_parameters(trials: list[dict], searched: list[tuple[str, bool, tuple | 
         axes.grid(alpha=0.3)
         if index == 0:
             axes.legend(fontsize="small")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100, pil_kwargs={"compress_level": 1})
-    return output
+    return figure

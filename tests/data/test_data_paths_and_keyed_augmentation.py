@@ -300,3 +300,55 @@ def test_per_sample_transforms_draw_anew_for_another_seed_and_another_epoch(keye
     same_epoch = sum(reference[0, index] == reference[1, index] for index in range(24))
     assert same_seed < 48 / 4, f"seeds 1 and 2 drew {same_seed} of 48 samples alike"
     assert same_epoch < 24 / 4, f"epochs 0 and 1 drew {same_epoch} of 24 samples alike"
+
+
+def test_keys_that_share_their_low_32_bits_draw_differently_in_torch_and_numpy():
+    """torch's manual_seed and numpy's legacy seed keep 32 bits: a sample's generators are filled from all of its
+    62-bit key instead, so two samples whose keys share the low 32 bits draw apart; the same key draws alike."""
+    from accel_train.data.keyed import seed_generators
+
+    def draws(key: int) -> tuple:
+        seed_generators(key)
+        return torch.rand(4).tolist(), np.random.random_sample(4).tolist(), random.random()
+
+    low = 0x2545F491
+    first, again, other = draws(low + (7 << 40)), draws(low + (7 << 40)), draws(low + (9 << 40))
+    assert first == again
+    assert first[0] != other[0] and first[1] != other[1] and first[2] != other[2]
+    assert first[0] != first[1][:4]  # torch's stream is not numpy's
+
+
+def test_a_users_validation_split_is_served_with_its_test_splits_transform():
+    """data.val_fraction of a dataset by import path: the held-out training samples go through the `transform` of
+    the dataset's evaluation split (torchvision's convention), not the training one's (which may augment)."""
+    import torchvision
+    from torchvision.transforms import v2
+
+    from accel_train.data import Data, hold_out_validation
+
+    def fake(transform):
+        return Data(torchvision.datasets.FakeData(20, image_size=(3, 8, 8), num_classes=2, transform=transform), 2,
+                    (3, 8, 8))
+
+    augment, evaluated = v2.Compose([v2.PILToTensor(), v2.RandomHorizontalFlip(1.0)]), v2.PILToTensor()
+    cfg = DataConfig(name="user_models:points", val_fraction=0.25)
+    training, validation = hold_out_validation(cfg, 0, fake(augment), fake(evaluated))
+    assert validation.dataset.dataset.transform is evaluated and training.dataset.dataset.transform is augment
+    index = validation.dataset.indices[0]
+    assert torch.equal(validation.dataset[0][0], evaluated(fake(None).dataset[index][0]))
+
+
+def test_the_slow_input_advice_names_knobs_that_exist_for_the_data_path(monkeypatch):
+    """data.image_size resizes the registry's images only; a user's dataset is told to make its __getitem__ faster;
+    one core is one core."""
+    import os
+
+    from accel_train.data import slow_input_advice
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    user = slow_input_advice(DataConfig(name="user_models:points", num_workers=1), Data(None, 3, (1, 4, 4)))
+    assert user == ("make the dataset's __getitem__ faster or read from faster storage: all 1 DataLoader workers are "
+                    "busy (1 CPU core per process here)")
+    registry = slow_input_advice(DataConfig(name="imagefolder", num_workers=1), Data(None, 3, (3, 8, 8)))
+    assert registry.startswith("lower data.image_size, lighten augmentation") and "1 CPU core per" in registry

@@ -192,3 +192,23 @@ def test_the_line_names_processes_that_did_not_answer_and_waits_at_different_col
 def test_a_bound_not_below_the_collective_timeout_is_refused_naming_both_keys(overrides):
     with pytest.raises(UserError, match=r"train.stuck_after_s=\d+ must be below train.collective_timeout_s=\d+"):
         load_config("mnist_cnn", overrides)
+
+
+@pytest.mark.parametrize("phase, said", [("training", "training step 12"),
+                                         ("evaluation", "the evaluation after step 11")])
+def test_a_processs_record_names_the_step_its_line_names(tmp_path, phase, said):
+    """11 steps done: training is in step 12, an evaluation comes after step 11; record and line say the same."""
+    from types import SimpleNamespace
+
+    from accel_train.config import TrainConfig
+    from accel_train.state import Progress
+
+    progress = Progress(steps_per_epoch=10, total_steps=30, step=11)
+    dog = watchdog.Watchdog(SimpleNamespace(process_index=0), TrainConfig(stuck_after_s=5), progress, tmp_path,
+                            SimpleNamespace(quiet=False))
+    dog.hosts, dog.attempt = ["here"], "a"
+    dog.mark(phase)
+    record = dog._record(0)
+    assert record["step"] == (12 if phase == "training" else 11)
+    assert watchdog.where(record).startswith(f"{said}, in ")
+    assert json.loads((tmp_path / "process-0.json").read_text())["step"] == record["step"]

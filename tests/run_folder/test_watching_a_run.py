@@ -328,3 +328,37 @@ def test_a_resume_opens_its_tensorboard_events_after_the_second_of_the_earlier_o
     (tmp_path / f"events.out.tfevents.{now:010d}.host.1.8").write_bytes(b"")
     after_earlier_events(tmp_path)
     assert time.time() >= now + 1  # the next file's name starts with a later second, so it sorts after
+
+
+def state_of(tmp_path, saved_world_size=None, trackers=(), **settings):
+    """What observers read, for a run of mnist_cnn in `tmp_path` at 1 process."""
+    from accel_train.config import load_config
+    from accel_train.data import Data
+    from accel_train.state import Progress, ResumePoint, State
+
+    config = load_config("mnist_cnn", [f"output_dir={tmp_path}", *(f"{k}={v}" for k, v in settings.items())])
+    launch = {"world_size": 1, "device": "cpu", "mixed_precision": "no"}
+    return State(config, Progress(steps_per_epoch=10, total_steps=30), ResumePoint(saved_world_size=saved_world_size),
+                 launch, (0, 0), Data(None, 10, (1, 28, 28), ["0"] * 10), tuple(trackers))
+
+
+def test_the_start_line_says_a_resume_at_another_world_size_once(tmp_path):
+    from accel_train.run.display import headline
+
+    assert headline(state_of(tmp_path, saved_world_size=2)) == (
+        "training mnist_cnn on mnist: 1 process(es), resumed from a checkpoint of 2 process(es), cpu, mixed precision "
+        "no")
+    assert headline(state_of(tmp_path, saved_world_size=1)) == "training mnist_cnn on mnist: 1 process(es), cpu, " \
+        "mixed precision no"
+
+
+def test_the_summary_lists_only_the_files_the_run_left(tmp_path):
+    """A best model named by checkpoint.best_metric is listed once there is one; before that it is not."""
+    from accel_train.run.display import results
+
+    state = state_of(tmp_path, **{"checkpoint.best_metric": "accuracy", "train.plot": "false"})
+    for name in ("model.safetensors", "metrics.jsonl", "config.yaml", "starts.jsonl", "classes.json"):
+        (tmp_path / name).write_text("")
+    assert "model_best.safetensors" not in results(state)
+    (tmp_path / "model_best.safetensors").write_text("")
+    assert results(state)[:2] == ["model.safetensors", "model_best.safetensors"]

@@ -229,3 +229,17 @@ def test_without_optuna_the_sweep_gives_the_install_command(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "pip install 'accel-train[sweep]'" in err and err.count("\n") == 1
     assert not (tmp_path / "fm").exists()
+
+
+def test_parameters_png_shows_a_choices_values_in_the_order_the_command_gave_them():
+    """choice(64,128,256) reads 64, 128, 256 along its axis (not as text sorts them: 128, 256, 64), each trial at
+    its value's place."""
+    from accel_train.run.plots import draw_parameters
+
+    trials = [{"state": "complete", "value": value, "params": {"train.batch_size": size}}
+              for size, value in ((256, 0.8), (64, 0.7), (128, 0.9))]
+    figure = draw_parameters(trials, [("train.batch_size", False, (64, 128, 256))], "accuracy")
+    axes = figure.axes[0]
+    assert [label.get_text() for label in axes.get_xticklabels()] == ["64", "128", "256"]
+    placed = {tuple(point) for collection in axes.collections[:1] for point in collection.get_offsets().tolist()}
+    assert placed == {(2.0, 0.8), (0.0, 0.7), (1.0, 0.9)}

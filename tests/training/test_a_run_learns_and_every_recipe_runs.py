@@ -137,3 +137,11 @@ def test_a_short_run_gets_ten_train_lines_and_one_warning_for_a_warmup_longer_th
     warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
     assert warnings == ["accel-train: warning: train.warmup_steps=30 is longer than the run (20 optimizer steps): "
                         "the LR never reaches train.lr=0.001; lower train.warmup_steps (e.g. to 2)"], warnings
+
+
+def test_a_warmup_longer_than_a_two_step_run_suggests_a_warmup_it_can_reach():
+    from accel_train.config import TrainConfig
+    from accel_train.training.optim import schedule_overruns
+
+    said = schedule_overruns(TrainConfig(warmup_steps=100000, max_steps=2), steps_per_epoch=10)
+    assert said.endswith("lower train.warmup_steps (e.g. to 1)"), said

@@ -247,3 +247,20 @@ def test_early_stopping_stops_every_process_at_the_same_step_and_saves_the_final
     # Resumed, the run stays stopped: nothing more is trained.
     launch(2, "train", *run, f"output_dir={out}", "resume=auto")
     assert max(line["step"] for line in read_metrics(out, "train")) == 4
+
+
+def test_a_selection_metric_a_task_did_not_name_beforehand_is_checked_at_the_first_evaluation(tmp_path):
+    """A user's Task without `metrics` cannot be checked before training: its first evaluation is, in one line on
+    every process alike, before anything is exported or saved under a metric that is not there."""
+    from types import SimpleNamespace
+
+    from accel_train.config import load_config
+    from accel_train.errors import UserError
+    from accel_train.training.selection import ModelSelection
+
+    config = load_config("mnist_cnn", ["checkpoint.best_metric=msee", f"output_dir={tmp_path}"])
+    selection = ModelSelection(config, SimpleNamespace(num_processes=1))
+    with pytest.raises(UserError, match=r"checkpoint.best_metric=msee is not an eval metric \(did you mean mse\?\); "
+                                        r"eval reports mae, mse, num_samples"):
+        selection.update({"num_samples": 4, "mse": 0.5, "mae": 0.4}, model=None)
+    assert not (tmp_path / "model_best.safetensors").exists()

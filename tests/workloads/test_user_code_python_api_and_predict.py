@@ -396,3 +396,40 @@ def test_predict_converts_an_image_as_the_recipes_eval_data_is(tmp_path):
     expected, _ = build_dataset(config.data, train=False).dataset.__getitems__([0])
     assert torch.equal(converted, expected[0])
     shutil.rmtree(tmp_path)
+
+
+def test_predict_for_a_users_dataset_uses_its_evaluation_transform_or_data_image_transform(image_run, tmp_path):
+    """A dataset by import path (tests/user_code/user_models.py: photos, FakeData with a `transform`, no classes):
+    predict turns each file into an input with the evaluation split's transform, or with data.image_transform, the
+    same; labels are class indices. Without either, one line says which to give."""
+    import accel_train
+    from accel_train.data import Data, load_image
+    from accel_train.run.weights import read_weights
+    from accel_train.workloads.tasks import task_named
+
+    run, inputs = tmp_path / "run", image_run / "inputs"
+    settings = ["data.name=user_models:photos", "data.num_classes=3", "data.train_subset=null",
+                "data.eval_subset=null", "train.max_steps=2", "train.plot=false", "train.log_with=none"]
+    train_in_process(USER_RECIPE, *settings, f"output_dir={run}")
+    by_split = accel_train.predict(str(run), inputs=str(inputs))
+    by_key = accel_train.predict(str(run), inputs=str(inputs), overrides=["data.image_transform=user_models:to_input"])
+    assert by_split == by_key and len(by_split) == 13
+    assert {label for row in by_split for label in row["labels"]} <= {"0", "1", "2"}
+    # the first row is the trained model's answer for that file through the dataset's own transform
+    from user_models import to_input  # importable once the run has found the recipe's folder
+
+    config, task = load_config(str(run)), task_named("classification")
+    task.setup(config, Data(None, 3, (3, 16, 16), None))
+    model = task.build_model(config, Data(None, 3, (3, 16, 16), None)).eval()
+    model.load_state_dict(read_weights(run / "model.safetensors"))
+    with torch.no_grad():
+        scores = model(to_input(load_image(by_split[0]["path"]))[None]).softmax(-1)[0]
+    assert str(int(scores.argmax())) == by_split[0]["labels"][0]
+    assert scores.max().item() == pytest.approx(by_split[0]["scores"][0], abs=1e-6)
+    bare = tmp_path / "bare"
+    train_in_process(USER_RECIPE, *settings, "data.args.transform=false", f"output_dir={bare}")
+    with pytest.raises(UserError, match=r"predict: data.name=user_models:photos is a dataset by import path whose "
+                                        r"evaluation split has no `transform`.*data.image_transform=module:function"):
+        accel_train.predict(str(bare), inputs=str(inputs))
+    assert len(accel_train.predict(str(bare), inputs=str(inputs),
+                                   overrides=["data.image_transform=user_models:to_input"])) == 13
