@@ -40,7 +40,14 @@ from support.commands import (
     wait_for,
 )
 from support.locations import PROBE, PROFILES, REPO
-from support.runs import assert_same_run, assert_same_weights, metrics_without_timing, read_metrics
+from support.runs import (
+    assert_resumed_from,
+    assert_same_run,
+    assert_same_weights,
+    metrics_lines_before,
+    metrics_without_timing,
+    read_metrics,
+)
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
 WEIGHTS = ("model.safetensors", "model_ema.safetensors")
@@ -284,8 +291,9 @@ def test_a_library_error_while_loading_is_not_called_damage_and_stops_in_one_lin
     ("data.image_size=32", ["another run", "data.image_size=32 (trained with null)"]),
 ])
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(reference, tmp_path, override, words):
-    newest = checkpoints(reference)[-1][0]
-    result = run_cli(*RUN, f"output_dir={tmp_path}", f"resume={newest}", override, check=False)
+    out = shutil.copytree(reference, tmp_path / "run")
+    newest = checkpoints(out)[-1][0]
+    result = run_cli(*RUN, f"output_dir={out}", f"resume={newest}", override, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
     assert all(word in error for word in words), error
@@ -305,14 +313,20 @@ def small_run(tmp_path_factory):
     return out
 
 
-def test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted(small_run, tmp_path, capsys):
-    step_2 = small_run / "checkpoints" / "step-00000002"
-    train_in_process(*SMALL, f"output_dir={tmp_path}", f"resume={step_2}")
+def test_resume_path_continues_from_that_checkpoint_of_its_own_folder_as_if_never_interrupted(small_run, tmp_path,
+                                                                                              capsys):
+    # A copy of the run: resume=PATH takes the older checkpoint of step 2 (mid-epoch), not the newest (step 4); the
+    # copy's weights file goes, so the resumed run must write its own.
+    out = shutil.copytree(small_run, tmp_path / "run")
+    (out / "model.safetensors").unlink()
+    step_2 = out / "checkpoints" / "step-00000002"
+    before = metrics_lines_before(out, 2)
+    train_in_process(*SMALL, f"output_dir={out}", f"resume={step_2}")
     assert f"resuming from {step_2}: step 2" in capsys.readouterr().out
-    assert [line["step"] for line in read_metrics(tmp_path, "train")] == [3, 4]
-    assert metrics_without_timing(tmp_path)[:2] == [line for line in metrics_without_timing(small_run)
-                                                    if line["step"] > 2][:2]
-    assert_same_weights(tmp_path, small_run)
+    assert_resumed_from(out, 2, before)
+    assert [line["step"] for line in read_metrics(out, "train")] == [1, 2, 3, 4]
+    assert metrics_without_timing(out) == metrics_without_timing(small_run)
+    assert_same_weights(out, small_run)
 
 
 def test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save(small_run, tmp_path, capsys):
@@ -330,9 +344,10 @@ def test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_sav
 def test_a_checkpoint_of_other_steps_per_epoch_is_refused_naming_what_changed(small_run, tmp_path):
     from accel_train.errors import UserError
 
+    out = shutil.copytree(small_run, tmp_path / "run")
     with pytest.raises(UserError, match=r"has 3 steps per epoch, this run 4; train.batch_size or data.train_subset"):
-        train_in_process(*SMALL, f"output_dir={tmp_path}", "data.train_subset=48",
-                         f"resume={small_run / 'checkpoints' / 'step-00000002'}")
+        train_in_process(*SMALL, f"output_dir={out}", "data.train_subset=48",
+                         f"resume={out / 'checkpoints' / 'step-00000002'}")
 
 
 def test_the_exported_model_loads_into_the_plain_model_without_accelerate(reference):

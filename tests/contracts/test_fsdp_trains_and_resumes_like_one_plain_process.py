@@ -81,7 +81,7 @@ def test_an_fsdp_checkpoint_of_2_processes_resumes_at_3_like_the_uninterrupted_r
     crashed = fsdp(f"output_dir={out}", env={"PROBE_CRASH_AFTER_SAVE": "6"}, check=False)
     assert crashed.returncode != 0 and newest_checkpoint_step(out) == 6, crashed.stderr[-3000:]
     resumed = fsdp(f"output_dir={out}", "resume=auto", processes=3)
-    assert "resumed at 3 process(es) from a checkpoint of 2" in resumed.stdout, resumed.stdout[-3000:]
+    assert "3 process(es), resumed from a checkpoint of 2 process(es)" in resumed.stdout, resumed.stdout[-3000:]
     losses = [[line["loss"] for line in read_metrics(folder, "train")] for folder in (out, runs / "fsdp")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     resized, uninterrupted = (load_file(str(folder / "model.safetensors")) for folder in (out, runs / "fsdp"))

@@ -110,7 +110,7 @@ def test_a_resume_at_another_world_size_ends_with_the_weights_and_metrics_of_the
 @pytest.mark.parametrize("processes", [3, 1])
 def test_a_resume_at_another_world_size_says_both_world_sizes_and_records_them(proof, processes):
     out, stdout = proof[processes][0], proof["result"].stdout
-    said = f"resumed at {processes} process(es) from a checkpoint of 2"
+    said = f"{processes} process(es), resumed from a checkpoint of 2 process(es)"
     started = [line for line in stdout.splitlines() if line.startswith("training mnist_cnn on fashion_mnist")]
     assert any(said in line for line in started), stdout[-5000:]
     summaries = stdout.split("\ndone: ")[1:]

@@ -64,7 +64,7 @@ def test_a_blocked_worker_is_named_with_its_host_step_and_function_and_the_resta
         assert re.search(r"line \d+ in backward", stacks[waited]) and "user_models.py" not in stacks[waited]
         record = json.loads((out / "stuck" / f"process-{stopped}.json").read_text())
         assert (record["process"], record["host"], record["step"], record["function"], record["waiting"]) \
-            == (stopped, host, in_step - 1, "__getitem__", False)
+            == (stopped, host, in_step, "__getitem__", False)  # the step in progress, as the line names it
         assert BOUND_S < seconds < BOUND_S + SLACK_S, seconds
     assert job.wait(timeout=BOUND_S + SLACK_S + 30) != 0
     text = log.read_text()

@@ -31,13 +31,15 @@ def test_training_into_a_folder_that_holds_a_run_is_refused_and_leaves_it_untouc
     error = one_error(run_cli("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY, "train.lr=0.5", check=False), 2)
     assert f"output_dir={tmp_path} already holds a run" in error and "resume=auto" in error
     assert all((tmp_path / name).read_bytes() == content for name, content in before.items())
-    # resume=PATH of a checkpoint from another folder would overwrite it as well
+    # resume=PATH of a checkpoint from another folder would overwrite it as well: refused, naming model.init_from
     other = tmp_path.parent / "other_run"
     train_in_process("mnist_cnn", f"output_dir={other}", *TINY)
     foreign = next((other / "checkpoints").iterdir())
     error = one_error(run_cli("train", "mnist_cnn", f"output_dir={tmp_path}", *TINY, f"resume={foreign}",
                               check=False), 2)
-    assert "is not one of its checkpoints" in error
+    assert f"is a checkpoint of another folder than output_dir={tmp_path}" in error
+    assert f"model.init_from={foreign}" in error
+    assert all((tmp_path / name).read_bytes() == content for name, content in before.items())
 
 
 def test_resume_auto_is_the_one_command_for_the_first_start_and_every_restart(tmp_path, capsys):

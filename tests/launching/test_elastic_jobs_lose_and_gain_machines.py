@@ -124,8 +124,8 @@ def test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoi
     if how == signal.SIGSTOP:  # no connection closes: the watchdog names the silent process (at stuck_after_s, 4 s)
         named = [line for line in log.splitlines() if line.startswith("accel-train: process ")]
         assert named and ("did not answer" in named[0] or "the main process did not report" in named[0]), log[-3000:]
-    assert re.search(r"training mnist_cnn on mnist: 1 process\(es\), resumed at 1 process\(es\) from a checkpoint of "
-                     r"2, cpu, mixed precision no, restart 1 of at most 1 by the launcher", log), log[-3000:]
+    assert re.search(r"training mnist_cnn on mnist: 1 process\(es\), resumed from a checkpoint of 2 process\(es\), "
+                     r"cpu, mixed precision no, restart 1 of at most 1 by the launcher", log), log[-3000:]
     print(f"\nmachine 1 {loss} at step {trained_to}: the survivor trained again at world size 1 from step "
           f"{resumed_at} {regrouped_s:.1f} s later and finished {finished_s:.1f} s after the loss "
           f"(collective_timeout_s {collective_timeout_s}, {RDZV_CONF})")

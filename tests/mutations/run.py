@@ -51,7 +51,7 @@ MUTATIONS = [
              "accel_train/training/steps.py",
              "micro_batches = self.accelerator.skip_first_batches(self.loader, micro_batches_done)",
              "micro_batches = self.loader",
-             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",)),
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_from_that_checkpoint_of_its_own_folder_as_if_never_interrupted",)),
     Mutation("gather instead of gather_for_metrics (eval counts the last batch's padding)",
              "accel_train/training/evaluation.py", "accelerator.gather_for_metrics(outputs)",
              "accelerator.gather(outputs)",
@@ -61,7 +61,7 @@ MUTATIONS = [
              "            if accelerator.is_main_process:\n"
              "                self._publish(progress, evaluated, partial, name, 0.0)\n"
              "            accelerator.save_state(str(partial))\n",
-             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_a_new_folder_from_that_checkpoint_as_if_never_interrupted",
+             ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_from_that_checkpoint_of_its_own_folder_as_if_never_interrupted",
               "tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
     Mutation("SIGTERM ignored (not handled: the process dies without saving)",
              "accel_train/distributed/signals.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)",

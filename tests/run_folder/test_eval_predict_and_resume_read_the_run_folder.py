@@ -4,6 +4,7 @@ change what its weights mean, and the config.yaml a run writes is itself a recip
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from datetime import datetime
 
@@ -76,9 +77,9 @@ def test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_v
 
 
 def test_resume_refuses_a_setting_that_contradicts_the_checkpoint(run, tmp_path, capsys):
-    resumed = tmp_path / "resumed"
-    error = refusal(capsys, "train", str(run), f"output_dir={resumed}", "model.dropout=false",
-                    f"resume={next((run / 'checkpoints').iterdir())}")
+    resumed = shutil.copytree(run, tmp_path / "resumed")  # resume continues a checkpoint of its own folder
+    error = refusal(capsys, "train", str(resumed), "model.dropout=false",
+                    f"resume={next((resumed / 'checkpoints').iterdir())}")
     assert "is from another run: model.dropout=false (trained with true)" in error, error
 
 

@@ -378,7 +378,8 @@ def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run,
         accel_train.predict(USER_RECIPE, run, broken, ["data.name=user_models:points"])
     from accel_train.training.prediction import predict  # past the run's check: a recipe whose data are not images
 
-    with pytest.raises(UserError, match="predict reads image files"):
+    with pytest.raises(UserError, match="data.name=user_models:points is a dataset by import path whose evaluation "
+                                        "split has no `transform`"):
         predict(load_config(USER_RECIPE, ["data.name=user_models:points"]), str(run), str(broken))
 
 
