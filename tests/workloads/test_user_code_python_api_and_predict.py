@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -15,9 +16,9 @@ from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 from accel_train.run.summaries import TIMING
 from support.commands import PYTHON, free_port, last_json_line, launch, run_cli, train_in_process
-from support.locations import REPO, USER_RECIPE
+from support.locations import FASHION_MNIST, REPO, TESTS, USER_RECIPE, needs_fashion_mnist
 from support.nodes import run_nodes, slurm_nodes
-from support.runs import assert_same_run, crash_after_checkpoint_then_resume, read_metrics
+from support.runs import assert_same_run, crash_after_checkpoint_then_resume, metrics_without_timing, read_metrics
 
 EXAMPLES = REPO / "examples"
 
@@ -277,6 +278,44 @@ def test_the_python_api_script_trains_at_2_processes_and_its_weights_evaluate_id
     assert trained["num_samples"] == 301 and trained["accuracy"] > 0.8, trained
     evaluated = last_json_line(launch(1, "--evaluate", str(tmp_path / "run"), script=script).stdout)
     same_metrics(evaluated, trained, 1)
+
+
+# 4 steps of 24 real Fashion-MNIST images, 50 evaluated
+FOUR_COMMANDS = [f"data.root={FASHION_MNIST}", "data.train_subset=96", "data.eval_subset=50", "train.batch_size=24",
+                 "train.epochs=1", "train.plot=false", "train.log_with=none"]
+
+
+@needs_fashion_mnist
+def test_a_script_that_trains_evaluates_predicts_and_trains_again_runs_all_four_at_2_processes(tmp_path):
+    """tests/user_code/four_commands.py: train, evaluate, predict, train a second run, in one process each under
+    accelerate launch; every command runs in the same process group (one that ended the group left the next
+    without one: "Default process group has not been initialized")."""
+    import accel_train
+
+    pictures, runs = tmp_path / "pictures", tmp_path / "runs"
+    pictures.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    for index in range(3):
+        pixels = (torch.rand(28, 28, generator=generator) * 255).byte().numpy()
+        Image.fromarray(pixels).save(pictures / f"item{index}.png")
+    launch(2, str(runs), str(pictures), *FOUR_COMMANDS, script=str(TESTS / "user_code" / "four_commands.py"))
+    reports = [json.loads((runs / f"returned-{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0] == reports[1]  # every process returns the same answers
+    report = reports[0]
+    for run in ("first", "second"):
+        assert yaml.safe_load((runs / run / "config.yaml").read_text())["run"]["world_size"] == 2
+    same_metrics(report["evaluated"], read_metrics(runs / "first", "test")[-1], 2)  # the run's final evaluation
+    # the same commands at 1 process, from the command line and in this process
+    same_metrics(last_json_line(run_cli("eval", str(runs / "first")).stdout),
+                 {key: value for key, value in report["evaluated"].items() if key != "num_processes"}, 1)
+    alone = accel_train.predict(str(runs / "first"), inputs=str(pictures))
+    assert [(row["path"], row["labels"]) for row in report["predicted"]] == \
+        [(row["path"], row["labels"]) for row in alone] and len(alone) == 3
+    assert [score for row in report["predicted"] for score in row["scores"]] == \
+        pytest.approx([score for row in alone for score in row["scores"]], rel=1e-5)
+    # the second run trains like the first: the same settings, the same seed
+    assert metrics_without_timing(runs / "second") == metrics_without_timing(runs / "first")
+    same_metrics({**report["again"], "num_processes": 2}, report["trained"], 2)
 
 
 # --- predict ------------------------------------------------------------------------------------------------
