@@ -3,9 +3,10 @@ live process writes its stacks to output_dir/stuck/, the main process says in on
 host, the step, the function it is blocked in) and that the others waited for it, and every process exits 6. Under
 --max_restarts the launcher restarts the group and resume=auto continues from the newest checkpoint.
 
-A worker is blocked on purpose inside a user dataset's __getitem__ (tests/user_code/user_models.py: BlockingPoints,
-data.num_workers=0, so in the training process itself). A run that is slow but goes on (a long evaluation, a long
-checkpoint save, a long first step) is not taken for a stuck one.
+A worker is blocked on purpose inside a user dataset's __getitem__ (tests/user_code/user_models.py: BlockingPoints):
+with data.num_workers=0 in the training process itself; with data.num_workers > 0 in a DataLoader worker, which is
+then named, its stacks written beside its process's, and which ends with the job. A run that is slow but goes on (a
+long evaluation, a long checkpoint save, a long first step) is not taken for a stuck one.
 """
 
 import json
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -22,7 +24,8 @@ from accel_train import hooks
 from accel_train.config import load_config
 from accel_train.distributed import watchdog
 from accel_train.errors import UserError
-from support.commands import start_launch, wait_for
+from support.commands import PYTHON, start_launch, wait_for
+from support.commands import start as start_command
 from support.locations import USER_RECIPE
 from support.runs import read_metrics
 
@@ -78,6 +81,50 @@ def test_a_blocked_worker_is_named_with_its_host_step_and_function_and_the_resta
     for start, stopped, seconds, in_step in seen:
         print(f"\nstart {start}: process {stopped} blocked in training step {in_step}, named {seconds:.1f} s later "
               f"(train.stuck_after_s={BOUND_S})")
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("processes", [2, 1], ids=["process 1 of 2 under accelerate launch", "a plain process"])
+def test_a_dataloader_worker_blocked_in_getitem_is_named_its_stacks_written_and_it_ends_with_the_job(tmp_path,
+                                                                                                      processes):
+    # The DataLoader worker of the last process blocks in the user's __getitem__; the training process waits for it
+    # in torch's loader. The line names the worker's function, not the loader's wait (_try_get_data). torch's
+    # launcher ends each worker's process group; a plain process (accel-train train alone) has no launcher to.
+    # The worker reads two batches ahead of the step: alone (batches of 12) it blocks while step 4 trains, past the
+    # first step of the start (not timed)
+    out, note, log, stopped = tmp_path / "run", tmp_path / "blocked", tmp_path / "log", processes - 1
+    call = CALL if processes == 2 else 5 * 12 + 1
+    run = [*STUCK_RUN, f"data.args.block={stopped}@{call}", f"data.args.note={note}", "data.num_workers=1",
+           f"train.stuck_after_s={BOUND_S}", "train.collective_timeout_s=60", f"output_dir={out}"]
+    job = start_launch(2, *run, log=log) if processes == 2 else start_command([PYTHON, "-m", "accel_train", *run], log)
+    wait_for(lambda: note.is_file() and note.read_text().endswith("\n"), job, log, timeout=240)
+    worker = int(note.read_text().split()[2])
+    wait_for(lambda: reports(log), job, log, timeout=BOUND_S + SLACK_S + 30)
+    line, in_step = reports(log)[0], read_metrics(out, "train")[-1]["step"] + 1
+    assert line.startswith(f"accel-train: process {stopped} on {socket.gethostname()} stopped in training step "
+                           f"{in_step}, in __getitem__ (tests/user_code/user_models.py:"), line
+    assert f") in DataLoader worker {worker};" in line and "_try_get_data" not in line, line
+    record = json.loads((out / "stuck" / f"process-{stopped}.json").read_text())
+    assert (record["function"], record["worker"], record["step"]) == ("__getitem__", worker, in_step)
+    # below the training process's own stacks, the worker's (faulthandler's, asked for by a signal)
+    own, _, of_worker = (out / "stuck" / f"process-{stopped}.txt").read_text().partition(
+        f"DataLoader worker {worker} of process {stopped}:")
+    assert "in _try_get_data" in own and not re.search(r'File ".*user_models\.py"', own), own
+    assert re.search(r'File ".*user_models\.py", line \d+ in __getitem__', of_worker), of_worker
+    code = job.wait(timeout=BOUND_S + SLACK_S + 30)
+    assert code == 6 if processes == 1 else code != 0 and "exitcode  : 6" in log.read_text(), log.read_text()[-3000:]
+    # the blocked worker never notices that its process is gone: it ends with it, not left running on its own
+    gone_by = time.monotonic() + 5
+    while running(worker) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert not running(worker), f"DataLoader worker {worker} still runs after its job ended"
 
 
 class Paced(torch.utils.data.Dataset):

@@ -60,7 +60,8 @@ class BlockingPoints(Dataset):
     """points(), except that the training set blocks forever in __getitem__ on purpose: at the call `block` names
     for this process, "PROCESS@CALL" (its CALL-th sample; evaluation does not count), one per start of the run,
     comma-separated (start N: the launcher's restart N; no block past the last). As it blocks, it appends
-    "RESTART TIME" to the file `note`. A stuck process, for tests/distributed/test_a_stuck_process_is_named.py."""
+    "RESTART TIME PID" to the file `note` (PID: the process that blocks, a DataLoader worker's own with
+    data.num_workers > 0). A stuck process, for tests/distributed/test_a_stuck_process_is_named.py."""
 
     def __init__(self, train: bool, size: int, block: str, note: str) -> None:
         self.samples, self.train, self.note, self.calls = points(train, size), train, note, 0
@@ -76,7 +77,7 @@ class BlockingPoints(Dataset):
         self.calls += self.train
         if self.calls == self.block_at:
             with open(self.note, "a") as note:
-                note.write(f"{self.restart} {time.time()}\n")
+                note.write(f"{self.restart} {time.time()} {os.getpid()}\n")
             threading.Event().wait()  # forever: a deadlock, a read that never returns
         return self.samples[index]
 
