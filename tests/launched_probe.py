@@ -26,7 +26,9 @@ that launches several runs with one environment):
   gradients (its communication hook ran), once per micro-step.
 - `meter` and `step_lr` come from the same point (`optimizer_stepped`): what the loop applied;
 - `metrics_at_start`: the lines of output_dir/metrics.jsonl when the process started (a resume keeps those of the
-  steps before its checkpoint as they were).
+  steps before its checkpoint as they were);
+- `initial_weights`: a digest of each tensor of the model as prepared, before the first step (support.recorders.digests;
+  a resume restores its checkpoint after this).
 The recorders never change what the run computes.
 
 Faults:
@@ -173,7 +175,8 @@ if __name__ == "__main__":
     if out and os.environ.get("PROBE_DIR_PER_RUN"):
         out = os.path.join(out, run_name)
     record = {"batches": [], "crops": [], "inputs": [], "allreduce_at": [], "eval_sets": [], "saves": [],
-              "dropout": [], "meter": [], "step_lr": [], "metrics_at_start": lines_of(output_dir, "metrics.jsonl")}
+              "dropout": [], "meter": [], "step_lr": [], "metrics_at_start": lines_of(output_dir, "metrics.jsonl"),
+              "initial_weights": {}}
     added = faults_asked(run_name)
     if out:
         record["lr"], rank = lr_traces(seed)  # before the run, which ends by destroying the process group

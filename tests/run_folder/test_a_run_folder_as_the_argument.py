@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -15,7 +16,9 @@ from accel_train import hooks
 from accel_train.cli import main
 from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UserError
-from support.commands import evaluate_in_process, last_json_line, train_in_process
+from support.commands import evaluate_in_process, last_json_line, launch, train_in_process
+from support.locations import PROBE
+from support.recorders import digests
 from support.runs import read_metrics
 
 # 48 samples, 4 steps an epoch; evaluations and checkpoints every 2 steps; the recorded resume=auto is the first start's
@@ -98,6 +101,33 @@ def test_init_from_a_run_a_checkpoint_or_a_weights_file_starts_a_new_run_from_th
     assert all(torch.equal(prepared.weights[name], tensor) for name, tensor in expected.items())
     assert load_config(str(tmp_path / "new")).model.init_from == str(given)  # recorded
     assert json.loads((tmp_path / "new" / "starts.jsonl").read_text())["step"] == 0  # a new run, from step 0
+
+
+@pytest.mark.parametrize("source", ["run", "checkpoint", "file"])
+def test_init_from_at_2_processes_starts_every_process_from_those_weights(run, tmp_path, source):
+    given = {"run": run, "checkpoint": step(run, 2), "file": run / "model_best.safetensors"}[source]
+    expected = digests(load_file(str(given / "model.safetensors" if given.is_dir() else given)))
+    new, records = tmp_path / "new", tmp_path / "records"
+    launch(2, "train", *SMALL, "train.max_steps=2", f"model.init_from={given}", f"output_dir={new}", script=PROBE,
+           env={"PROBE_DIR": str(records)})
+    for rank in (0, 1):  # the model each process prepared, before its first step
+        assert json.loads((records / f"rank{rank}.json").read_text())["initial_weights"] == expected, rank
+    recorded = yaml.safe_load((new / "config.yaml").read_text())
+    assert recorded["model"]["init_from"] == str(given) and recorded["run"]["world_size"] == 2
+    assert json.loads((new / "starts.jsonl").read_text())["step"] == 0  # a new run, from step 0
+
+
+def test_init_from_weights_of_another_shape_is_one_line_naming_the_tensor_and_both_shapes(run, tmp_path, capsys):
+    # mnist_cnn on CIFAR-10 (3 channels of 32 px, not 1 of 28): the same tensor names, other shapes; the first by name
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *SMALL, "data.name=cifar10", f"model.init_from={run}", f"output_dir={tmp_path / 'new'}"])
+    stderr = capsys.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert stop.value.code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0] == (f"accel-train: error: model.init_from={run} does not fit model.name=mnist_cnn on cifar10: "
+                        "classifier.1.weight has shape [128, 9216] there, [128, 12544] here; start from weights of the "
+                        "same model.name and data shape"), lines[0]
+    assert not (tmp_path / "new" / "metrics.jsonl").exists()
 
 
 def test_init_from_weights_of_another_model_or_nowhere_is_one_line(run, tmp_path):

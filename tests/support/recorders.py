@@ -99,6 +99,13 @@ def inputs_of_training_batches(into: list):
         yield into
 
 
+def digests(state: dict) -> dict[str, str]:
+    """A digest of each tensor of a state dict (its dtype, shape and bytes), by name."""
+    return {name: hashlib.sha1(f"{tensor.dtype} {tuple(tensor.shape)}".encode()
+                               + tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+            for name, tensor in state.items()}
+
+
 class Run(hooks.Hooks):
     """The launched probe's recorders (PROBE_DIR), each a list in `record` (see tests/launched_probe.py)."""
 
@@ -119,6 +126,7 @@ class Run(hooks.Hooks):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
 
+        self.record["initial_weights"] = digests(getattr(model, "module", model).state_dict())
         if isinstance(model, DistributedDataParallel):
             def count(module, args):
                 self.training_forwards += module.training
