@@ -94,6 +94,11 @@ def test_the_summary_and_runs_list_the_trials_best_first_with_their_values_and_t
     values = [float(row[2]) for row in rows[1:] if row[1] == "complete"]
     assert values == sorted(values, reverse=True)
     assert table in output  # the sweep's summary shows the same table
+    # the line that ends a trial gives the wall time of its row: the run's own time (metrics.jsonl), over its starts
+    walls = {row[0]: row[-1] for row in rows[1:]}
+    ended = re.findall(r"^trial (\d+): (?:complete|pruned)[,;] .* \((\d[\dhms.]*)\)$", output, re.MULTILINE)
+    assert len(ended) == sum(t.state.name in ("COMPLETE", "PRUNED") for t in trials) > 1, output
+    assert all(took == walls[f"trial-{int(number):04d}"] for number, took in ended), (ended, walls)
     line = next(line for line in output.splitlines() if line.startswith("train it again: "))
     command = line.removeprefix("train it again: ").split()
     assert command[:3 + len(DATA)] == ["accel-train", "train", "fashion_mnist_cnn", *DATA]
@@ -117,6 +122,20 @@ def test_a_trial_folder_is_a_normal_run_evaluated_by_eval_and_a_pruned_one_resum
     run_cli("train", str(resumed), "resume=auto")
     steps = train_steps(resumed)
     assert steps == sorted(set(steps)) and steps[-1] == 30 and stopped_at < 30
+
+
+def test_a_sweep_whose_every_trial_fails_ends_saying_no_trial_completed_and_exits_1(tmp_path):
+    folder = tmp_path / "fm"
+    result = run_cli("sweep", "fashion_mnist_cnn", "--metric", "accuracy", "--trials", "2", "--seed", "3",
+                     "train.lr=loguniform(1e8,1e9)", *DATA, f"output_dir={folder}", check=False)  # each diverges
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len([line for line in lines if re.match(r"trial \d: failed \(exit 5\): non-finite loss", line)]) == 2
+    assert lines[-1] == "no trial completed" and not any(line.startswith("best: ") for line in lines), lines[-5:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert errors == [f"accel-train: error: sweep: none of the 2 trial(s) completed, so the sweep has no result; see "
+                      f"each trial's error above and its log in {folder / 'logs'}"], result.stderr
+    assert [t.state.name for t in study_trials(folder)] == ["FAIL", "FAIL"]
 
 
 def test_a_sweep_killed_mid_trial_resumes_that_trial_at_2_processes_and_ends_with_exactly_n_trials(
