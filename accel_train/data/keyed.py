@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 _LOW_33_BITS = (1 << 33) - 1
 MT_WORDS = 624  # the state of a Mersenne Twister (MT19937): torch's CPU generator and numpy's global one
 
+
 def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
     """A random 62-bit number per (seed, epoch, sample index), computed where the indices live.
 

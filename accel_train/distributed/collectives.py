@@ -115,8 +115,6 @@ def first_message(message: str | None, accelerator: Accelerator) -> str | None:
     return f"process {rank}: {text}" if accelerator.num_processes > 1 else text
 
 
-
-
 LOST_PEER = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL communicator",
              "ProcessGroupNCCL", "Broken pipe")
 

@@ -91,7 +91,6 @@ def ordered(names: set[str]) -> list[str]:
     return sorted(names, key=lambda name: (name != "loss", name))
 
 
-
 STATE_MARKERS = {"complete": {"marker": "o"}, "pruned": {"marker": "x"}}
 
 

@@ -104,7 +104,6 @@ def shape_mismatch(weights: Path, model: torch.nn.Module) -> str | None:
     return None
 
 
-
 def class_names(checkpoint: str, num_classes: int | None) -> list[str]:
     """classes.json of the run the weights at `checkpoint` belong to; where its data named no classes (a dataset
     without `classes`), their indices, 0 to data.num_classes - 1."""
