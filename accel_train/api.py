@@ -139,10 +139,21 @@ def _refuse_other_settings(config: Config, checkpoint: str, command: str) -> Non
     what they mean (data.root, data.eval_subset, train.eval_batch_size, ...): the same check as resume's."""
     meta, run = read_meta(weights_folder(checkpoint)), run_of(checkpoint)
     recorded = meta["config"] if meta is not None else read_config(run) if run is not None else None
+    if recorded is not None and _same_images_elsewhere(recorded, config):
+        recorded = {**recorded, "data": {**recorded["data"], "name": config.data.name}}
     if recorded is not None:
         refuse_contradictions(recorded, config, f"{command}: {checkpoint} was trained with other settings",
                               "these change what the weights mean: leave them out (the run folder alone gives "
                               f"its own: accel-train {command} {run or checkpoint} ...)")
+
+
+def _same_images_elsewhere(recorded: dict, config: Config) -> bool:
+    """The run's data as shards, or the shards' source (data.name differs, the images do not)."""
+    if (recorded.get("data") or {}).get("name", config.data.name) == config.data.name:
+        return False
+    from accel_train.data.shards.dataset import same_images
+
+    return same_images(recorded.get("data") or {}, config.data)
 
 
 def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,

@@ -17,6 +17,9 @@ accel-train eval RUN [KEY=VALUE ...]                     evaluate a run's export
 accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate a run folder, checkpoint or model.safetensors
 accel-train predict RUN input=PATH [output=FILE] [predict.top_k=K ...]
                                                          top labels of image files (file, folder or glob) as CSV
+accel-train shard RECIPE [KEY=VALUE ...] output=URL      the recipe's data as shards at a folder or URL (s3://,
+                                                         gs://, ...); train from them with data.name=shards
+accel-train shard index URL                              index tars of your own (webdataset's) at URL/train, /test
 accel-train sweep RECIPE --trials N --metric M [--launch CMD] KEY=DIST(ARGS) ... [KEY=VALUE ...]
                                                          hyperparameter search (Optuna): every trial a run folder
 accel-train runs DIR [--diff A B] [--json]               table of the runs under DIR (or of a sweep's trials); config
@@ -31,6 +34,8 @@ accel-train launch [--join_timeout S] ACCELERATE_LAUNCH_ARGS... -m accel_train t
                                                          accelerate launch, once every machine has joined (says
                                                          who it waits for; gives up after S s, default 300)
 accel-train bench [--quick] [RECIPE] [KEY=VALUE ...]     our loop vs plain PyTorch, input pipeline, scaling, FLOP/s
+accel-train bench --shards URL [RECIPE] [KEY=VALUE ...]  shards in a store (cold, warm cache) vs ImageFolder vs
+                                                         webdataset's loader, same images
 accel-train --version                                    versions of accel-train, torch, torchvision, accelerate;
                                                          the devices visible
 accel-train COMMAND --help                               one command's usage, with examples
@@ -66,6 +71,15 @@ and the like may differ. Prints the metrics as JSON on stdout, with num_samples 
   accel-train predict runs/imagefolder input='photos/*.jpg' output=out.csv predict.top_k=3
 INPUT is an image file, a folder (searched recursively) or a quoted glob. The class names come from the
 run folder's classes.json; as with eval, settings that change what the weights mean must agree with the run's."""),
+    "shard": ("write a recipe's data as shards at a folder or URL", "accel-train shard RECIPE [KEY=VALUE ...] "
+              "output=URL [shard_mb=256] [block_mb=4]\n       accel-train shard index URL [block_mb=4]", """\
+  accel-train shard fashion_mnist_cnn output=s3://bucket/fashion_mnist
+  accel-train shard imagefolder data.root=photos/ output=s3://bucket/photos
+  accel-train train fashion_mnist_cnn data.name=shards data.root=s3://bucket/fashion_mnist
+  accel-train shard index s3://bucket/my_tars             # train/*.tar and test/*.tar written by webdataset
+Each split becomes WebDataset tars (KEY.png + KEY.cls per sample) and an index.json, written last. Running the
+same command again finishes a write that was cut short, or says the shards are complete. Credentials and the
+endpoint come from the storage's own environment (AWS_PROFILE, AWS_ENDPOINT_URL, ...)."""),
 }
 
 
@@ -109,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--processes", type=int, help="processes for the scaling table (default: GPUs, or 2 on CPU)")
     bench.add_argument("--peak-tflops", type=float, help="device peak for the utilisation (default: measured matmul)")
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
+    bench.add_argument("--shards", metavar="URL", help="instead: the input pipeline over the recipe's images as shards "
+                       "at URL (cold and warm cache), as an ImageFolder tree, and through webdataset's loader")
     bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
     bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     runs = subcommand("runs", help="table of runs: recipe, processes, precision, steps, best and final "
@@ -286,6 +302,12 @@ def _run(args: argparse.Namespace) -> None:
         if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
+        if args.shards:
+            from accel_train.tools.bench_shards import run_shards_bench
+
+            run_shards_bench(recipe if args.recipe != "fashion_mnist_fast" else "fashion_mnist_cnn", overrides,
+                             args.shards, args.steps)
+            return
 
         from accel_train.tools.bench import run_bench
 
@@ -301,6 +323,8 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "train":
         api.train(recipe, overrides)
         return
+    if args.command == "shard":
+        return _shard(recipe, overrides, given)
     # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
     split = given.get("split", "test")
     config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, args.command, split=split)
@@ -411,7 +435,31 @@ def _sweep(args: argparse.Namespace) -> None:
 COMMAND_ARGUMENTS = {
     "eval": {"checkpoint": None, "split": None},
     "predict": {"checkpoint": None, "input": "input=PATH (an image file, a folder or a glob)", "output": None},
+    "shard": {"output": None, "shard_mb": None, "block_mb": None},
 }
+
+
+def _shard(recipe: str | None, overrides: list[str], given: dict[str, str]) -> None:
+    from accel_train.config import load_config
+    from accel_train.data.shards.writer import index_tars, write_shards
+
+    sizes = {}
+    for name in ("shard_mb", "block_mb"):
+        if name in given:
+            try:
+                sizes[name] = float(given[name])
+            except ValueError:
+                sizes[name] = -1.0
+            if not sizes[name] > 0:
+                raise UserError(f"shard: {name}={given[name]}: a size in MB greater than 0")
+    if recipe == "index":
+        if len(overrides) != 1 or "output" in given or "shard_mb" in given:
+            raise UserError("shard index takes one URL: accel-train shard index URL [block_mb=4]")
+        return index_tars(overrides[0], **{key: value for key, value in sizes.items() if key == "block_mb"})
+    if recipe is None or "output" not in given:
+        raise UserError(f"shard needs a recipe and output=URL: {COMMANDS['shard'][1].splitlines()[0]}")
+    config = load_config(recipe, overrides)
+    write_shards(config.data, given["output"], recipe=recipe, **sizes)
 
 
 def _arguments(overrides: list[str], names: dict, command: str) -> tuple[dict[str, str], list[str]]:

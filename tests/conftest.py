@@ -11,6 +11,7 @@ import torch  # noqa: F401
 
 from support import processes
 from support.nodes import two_network_namespaces
+from support.object_store import object_store_for_module, object_store_for_test
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +19,23 @@ def two_hosts():
     """Two network namespaces joined by a veth pair (support.nodes.Host each); skips where they cannot be made."""
     with two_network_namespaces() as hosts:
         yield hosts
+
+
+@pytest.fixture
+def object_store(monkeypatch):
+    """An empty S3 store on 127.0.0.1 with one bucket, reached through a counting, fault-injecting proxy, and
+    os.environ pointing there for the test (support.object_store.ObjectStore). Starts no process."""
+    with object_store_for_test(monkeypatch) as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
+def module_object_store():
+    """The same store for every test of a module (support.object_store.object_store_for_module): emptied once, so
+    data a module fixture writes there once serves all its tests; a test of that module cannot also take
+    `object_store`. Starts no process."""
+    with object_store_for_module() as store:
+        yield store
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -39,12 +57,17 @@ def pytest_sessionfinish(session):
     processes.end_started()  # a test cut short (Ctrl-C) never reached its teardown
 
 
+STORE_FIXTURES = {"object_store", "module_object_store"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects by it
 def pytest_collection_modifyitems(items):
     for item in items:
         if isinstance(item, pytest.Function) and not item.get_closest_marker("processes") and \
                 processes.starts_processes(item):
             item.add_marker("processes")
+        if isinstance(item, pytest.Function) and STORE_FIXTURES & set(item.fixturenames):
+            item.add_marker("store")
 
 
 @pytest.hookimpl(wrapper=True)

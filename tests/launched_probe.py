@@ -8,7 +8,9 @@ reassigned (tests/package/test_rooms_and_hooks.py checks this file for it).
 Recorders (with PROBE_DIR set), written to PROBE_DIR/rank{R}.json for each process that ends its run without an error
 (to PROBE_DIR/NAME/rank{R}.json with PROBE_DIR_PER_RUN=1 too, NAME the last part of the run's output_dir: a script
 that launches several runs with one environment):
-- `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch);
+- `batches`: the training-set indices it read, one list per optimizer step (its slice of the global batch); for
+  shards (data.name=shards, with data.num_workers=0 so that samples are read in the process) the sample ids, one
+  list per micro-batch the model received (support.recorders.RecordedShardSamples);
 - `crops` (with PROBE_CROPS=1 too): for each training batch the model received, its epoch and the sample index,
   crop offsets and flip of each image, found from the pixels (support.recorders.CropFinder; small noise datasets only);
 - `inputs` (with PROBE_INPUTS=1 too): for each training batch the model received, its epoch and the label and a

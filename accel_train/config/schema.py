@@ -44,7 +44,8 @@ def doc(text: str, within: Range | tuple[Range, ...] = (), **kwargs: Any) -> Any
 
 @dataclass
 class DataConfig:
-    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder; or an import path "
+    name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder, shards (written by "
+                    "accel-train shard, at data.root: a folder or a URL such as s3://bucket/data); or an import path "
                     "module:function returning a torch Dataset (called with train=True/False and data.args)",
                     default="fashion_mnist")
     args: dict[str, Any] = doc("keyword arguments for a dataset given by import path", default_factory=dict)
@@ -54,7 +55,8 @@ class DataConfig:
                                       default=None)
     num_classes: int | None = doc("classes of a dataset given by import path (unset: len(dataset.classes))",
                                   default=None, within=POSITIVE)
-    root: str = doc("folder holding (or receiving) the dataset files", default="data")
+    root: str = doc("folder holding (or receiving) the dataset files; for data.name=shards a folder or any fsspec URL "
+                    "(s3://, gs://, az://; credentials from the storage's own environment)", default="data")
     train_subset: int | None = doc("train on the first N samples only (same N at any world size)",
                                    default=None, within=POSITIVE)
     eval_subset: int | None = doc("evaluate on the first N samples only (same N at any world size)",
@@ -79,6 +81,18 @@ class DataConfig:
     num_workers: int | Literal["auto"] = doc("DataLoader worker processes per process (file-backed datasets); auto: "
                                              "the CPU cores this machine has per process, at most 8",
                                              default="auto", within=NON_NEGATIVE)
+    shuffle_window_shards: int = doc("data.name=shards: samples are shuffled within windows of this many shards "
+                                     "(each epoch permutes the shards); larger mixes more, and caches and reads "
+                                     "more at a time", default=8, within=POSITIVE)
+    streams: int = doc("data.name=shards: each global batch takes equal parts from this many streams, each a "
+                       "contiguous run of the epoch's shards; a multiple of the machines lets each machine read "
+                       "only its own shards (must divide train.batch_size)", default=1, within=POSITIVE)
+    cache_dir: str | None = doc("data.name=shards: this machine's cache of shard blocks, shared by its processes "
+                                "(unset: ~/.cache/accel-train/shards, or under XDG_CACHE_HOME)", default=None)
+    cache_gb: float = doc("data.name=shards: the most the cache keeps, in GB; the least recently used blocks go first",
+                          default=50.0, within=POSITIVE)
+    store_patience_s: float = doc("data.name=shards: how long reads retry a store that does not answer (or answers "
+                                  "wrong bytes) before the run stops with exit 3", default=60.0, within=POSITIVE)
     on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "
                           "batches there (false = per-sample torchvision transforms in DataLoader workers)",
                           default=True)
@@ -261,6 +275,11 @@ def check_values(config: Config) -> None:
     if config.data.image_transform and not is_import_path(config.data.name):
         raise UserError(f"data.image_transform={config.data.image_transform}: it serves a dataset given by import path "
                         f"(module:Attr); data.name={config.data.name} turns image files into inputs itself: remove it")
+    ordering = [f"data.{key}" for key in ("streams", "shuffle_window_shards")
+                if getattr(config.data, key) != fields_of(DataConfig)[key].default]
+    if ordering and config.data.name != "shards":
+        raise UserError(f"{' and '.join(ordering)} order data.name=shards; data.name={config.data.name} is ordered by "
+                        "Accelerate's seedable sampler, so they would be ignored: remove them")
     if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
         raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
                         "eval metric it watches, e.g. train.early_stop_metric=accuracy")

@@ -20,6 +20,7 @@ from accel_train.data.keyed import KeyedSamples, sample_keys
 from accel_train.data.loaders import make_loader, slow_input_advice, start_epoch
 from accel_train.data.predict_inputs import image_converter
 from accel_train.data.registry import DATASETS, Data
+from accel_train.data.shards import dataset as _shards  # noqa: F401  (registration)
 from accel_train.data.torchvision_sets import SOURCES
 from accel_train.data.user import check_user_dataset, from_dataset, user_dataset
 from accel_train.data.validation import hold_out_validation

@@ -45,7 +45,9 @@ def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | N
     return Data(dataset, len(classes), (3, size, size), classes)
 
 
-def imagefolder_transform(cfg: DataConfig, train: bool) -> v2.Compose:
+def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | None = None) -> v2.Compose:
+    """ImageFolder's transforms; normalised by data.mean / data.std if given, else `normalization` (what shards of
+    such a tree recorded), else ImageNet's."""
     size = cfg.image_size or 224
     if train:
         transform = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if cfg.augment \
@@ -53,7 +55,8 @@ def imagefolder_transform(cfg: DataConfig, train: bool) -> v2.Compose:
         transform += [v2.TrivialAugmentWide()] if cfg.trivial_augment else []  # on uint8, as it expects
     else:
         transform = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
-    normalize = [v2.Normalize(*(given_normalization(cfg, 3) or (IMAGENET_MEAN, IMAGENET_STD)))] if cfg.normalize else []
+    normalize = [v2.Normalize(*(given_normalization(cfg, 3) or normalization or (IMAGENET_MEAN, IMAGENET_STD)))] \
+        if cfg.normalize else []
     erase = [v2.RandomErasing(cfg.random_erasing)] if train and cfg.random_erasing else []  # after normalising: timm's
     return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, v2.ToDtype(torch.float32, scale=True), *normalize,
                        *erase])

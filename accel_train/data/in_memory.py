@@ -89,17 +89,9 @@ class PerSampleImages(Dataset):
 
     def __init__(self, source: InMemoryImages, trivial_augment: bool = False, random_erasing: float = 0.0) -> None:
         self.images, self.labels = source.images.cpu(), source.labels.cpu()
-        side = self.images.shape[-1]
-        steps = [T.TrivialAugmentWide()] if trivial_augment and source.augment else []
-        steps.append(T.ToTensor())
-        if source.augment:
-            steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
-        if source.size and source.size != side:
-            steps.append(T.Resize((source.size, source.size), antialias=True))
-        steps.append(T.Normalize(source.mean.flatten().tolist(), source.std.flatten().tolist()))
-        if random_erasing and source.augment:
-            steps.append(T.RandomErasing(random_erasing))
-        self.transform = T.Compose(steps)
+        self.transform = per_sample_transform(self.images.shape[-1], source.mean.flatten().tolist(),
+                                              source.std.flatten().tolist(), source.augment, source.size,
+                                              trivial_augment, random_erasing)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -108,6 +100,22 @@ class PerSampleImages(Dataset):
         pixels = self.images[index].permute(1, 2, 0).numpy()
         image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
         return self.transform(image), self.labels[index]
+
+
+def per_sample_transform(side: int, mean, std, augment: bool, size: int | None, trivial_augment: bool = False,
+                         random_erasing: float = 0.0) -> T.Compose:
+    """A PIL image of `side` px -> the model's input, as the on-device path computes it (padded random crop and flip
+    when augmenting, resized to `size`, normalised); shards written from these datasets use it too."""
+    steps = [T.TrivialAugmentWide()] if trivial_augment and augment else []
+    steps.append(T.ToTensor())
+    if augment:
+        steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
+    if size and size != side:
+        steps.append(T.Resize((size, size), antialias=True))
+    steps.append(T.Normalize(list(mean), list(std)))
+    if random_erasing and augment:
+        steps.append(T.RandomErasing(random_erasing))
+    return T.Compose(steps)
 
 
 def keep_batch(batch):

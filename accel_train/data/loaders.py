@@ -12,6 +12,9 @@ from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages, PerSampleImages, keep_batch
 from accel_train.data.keyed import KeyedSamples
 from accel_train.data.registry import DATASETS, Data
+from accel_train.data.shards.dataset import shard_layout
+from accel_train.data.shards.order import ShardOrder, check_order_settings
+from accel_train.data.shards.prefetch import Prefetcher
 from accel_train.distributed.devices import cores_per_process, dataloader_workers
 from accel_train.distributed.watchdog import stacks_on_request, worker_stacks_folder
 from accel_train.errors import UserError
@@ -21,10 +24,22 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
     """Data order (Accelerate's seedable sampler) and augmentation both become functions of (seed, epoch). Called
     before the epoch's iterator is made: it fetches the first batches (in workers too) as it starts."""
     loader.set_epoch(epoch)  # Accelerate passes it to the sampler only, not to the dataset
+    order = _shard_order(loader)
+    if order is not None:  # the seed too, and the prefetcher plans this process's reads of the epoch
+        order.seed = seed
+        order.prefetcher.follow(loader, order.order(epoch), order.global_batch)
     if isinstance(loader.dataset, InMemoryImages):
         loader.dataset.set_epoch(epoch, seed)
     elif isinstance(loader.dataset, KeyedSamples):
         loader.dataset.key_epoch(epoch, seed)
+
+
+def _shard_order(loader) -> ShardOrder | None:
+    """The ShardOrder under a (prepared, perhaps skipping) loader's batch samplers, if it has one."""
+    sampler = loader.batch_sampler
+    while sampler is not None and not isinstance(sampler, ShardOrder):
+        sampler = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
+    return sampler
 
 
 def slow_input_advice(cfg: DataConfig, data: Data) -> str:
@@ -56,7 +71,7 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
     # The order of samples is the seedable sampler's, a function of (seed, epoch) alone; the seeds the workers
     # get from this generator reach no transform (KeyedSamples seeds every sample).
     generator = torch.Generator().manual_seed(0)
-    dataset, global_batch = data.dataset, global_batch // accumulation
+    dataset, step_batch, global_batch = data.dataset, global_batch, global_batch // accumulation
     if data.in_memory:
         if cfg.on_device:  # no workers: a batch is a few kernels on the device, not per-image Python
             return DataLoader(dataset.to(device), batch_size=global_batch, shuffle=train, drop_last=train,
@@ -65,6 +80,14 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
     workers = dataloader_workers(cfg.num_workers)
     # A worker writes its stacks when the stuck-process watchdog asks: a blocked __getitem__ is named where it is.
     stacks = partial(stacks_on_request, str(worker_stacks_folder())) if workers else None
-    return DataLoader(KeyedSamples(dataset), batch_size=global_batch, shuffle=train, drop_last=train,
-                      num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                      generator=generator, worker_init_fn=stacks)
+    serving = dict(batch_size=global_batch, num_workers=workers, pin_memory=device.type == "cuda",
+                   persistent_workers=workers > 0, generator=generator, worker_init_fn=stacks)
+    layout = shard_layout(dataset)
+    if train and layout is not None:  # shards: an order that reads a few shards at a time (shards/order.py)
+        shard_of, shards = layout
+        check_order_settings(step_batch, cfg.streams, len(shard_of))
+        order = ShardOrder(shard_of, shards, 0, cfg.shuffle_window_shards, cfg.streams, step_batch)
+        order.prefetcher = Prefetcher(dataset, min(int(cfg.cache_gb * 1e9) // 4, 2 * 2**30))
+        order.on_batch = order.prefetcher.reached
+        return DataLoader(KeyedSamples(dataset), sampler=order, drop_last=True, **serving)
+    return DataLoader(KeyedSamples(dataset), shuffle=train, drop_last=train, **serving)

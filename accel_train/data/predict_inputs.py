@@ -25,6 +25,10 @@ def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tens
         return imagefolder_transform(cfg, train=False), (3, size, size)
     if is_import_path(cfg.name):
         return user_image_transform(cfg), None
+    if cfg.name == "shards":
+        from accel_train.data.shards.dataset import image_converter as shards_converter
+
+        return shards_converter(cfg)
     if cfg.name not in SOURCES:
         raise UserError(f"predict reads image files as the dataset would give them to the model; data.name="
                         f"{cfg.name} is not a dataset of the registry (mnist, fashion_mnist, cifar10, stl10, "

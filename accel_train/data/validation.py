@@ -22,6 +22,10 @@ def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | No
     data.val_fraction of the training set drawn by `seed` before any process takes its share: every world size
     holds out the same samples. It is evaluated as the `test` split is (no augmentation), limited by
     data.eval_subset."""
+    if cfg.name == "shards" and not cfg.val_fraction:
+        from accel_train.data.shards.dataset import validation_split
+
+        return train, validation_split(cfg)
     own = own_validation_folder(cfg)
     if own is not None:
         if cfg.val_fraction:

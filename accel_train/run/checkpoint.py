@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from accel_train import hooks
-from accel_train.config import refuse_contradictions, spelled
+from accel_train.config import DataConfig, refuse_contradictions, spelled
 from accel_train.console import say, warn
 from accel_train.distributed.collectives import any_process, first_message
 from accel_train.errors import UserError, writing
@@ -319,6 +319,15 @@ def _refuse_what_cannot_continue(folder: Path, meta: dict, config: Config, accel
     if meta["steps_per_epoch"] != steps_per_epoch:
         raise UserError(f"resume: {folder} has {meta['steps_per_epoch']} steps per epoch, this run "
                         f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
+    if config.data.name == "shards":  # the order over shards is a function of these too: a resumed epoch must see it
+        saved_data = meta["config"].get("data") or {}
+        for key in ("streams", "shuffle_window_shards"):
+            saved, now = saved_data.get(key, getattr(DataConfig(), key)), getattr(config.data, key)
+            if saved != now:
+                raise UserError(f"resume: {folder} was trained with data.{key}={saved}, this run has data.{key}={now}: "
+                                "the order of the samples over the shards depends on it, so the resumed epoch would "
+                                "repeat some samples and skip others; set it back, or start a new run "
+                                "(model.init_from takes the weights)")
     saved_ema = (meta["config"].get("train") or {}).get("ema_decay")
     if bool(saved_ema) != bool(config.train.ema_decay):  # the EMA is a part of the checkpoint, saved or not
         raise UserError(f"resume: {folder} was saved with train.ema_decay={spelled(saved_ema)}, this run has "

@@ -251,6 +251,22 @@ MUTATIONS = [
              "accel_train/config/recipes.py", "    _resolve_lr(config.train, lr_given=",
              "    (lambda *a, **k: None)(config.train, lr_given=",
              ("tests/config/test_config_and_command_line.py::-k lr_base",)),
+    # data/shards/order.py, epoch_order: the shards are permuted anew each epoch, from (seed, epoch).
+    Mutation("the shard order ignores the epoch (every epoch reads the shards in epoch 0's order)",
+             "accel_train/data/shards/order.py", "np.random.SeedSequence([seed, epoch, _ORDER_TAG])",
+             "np.random.SeedSequence([seed, 0, _ORDER_TAG])",
+             ("tests/data/test_shard_order_and_read_plan.py::-k same_seed_and_epoch",)),
+    # data/shards/cache.py, BlockCache.fetch: a block is cached by the sha256 its index lists, so a shard rewritten
+    # at the same URL is never served from an old copy.
+    Mutation("the block cache keyed by shard name and block number, not the index's sha256",
+             "accel_train/data/shards/cache.py", "        path = self.block_path(sha256)\n",
+             "        path = self.block_path(hashlib.sha256(f\"{folder}/{shard.name}/{block}\".encode())"
+             ".hexdigest())\n",
+             ("tests/data/test_shard_format_cache_and_store.py::-k rewritten",)),
+    # data/shards/cache.py, BlockCache.fetch: a block's bytes are checked (length and sha256) before they are kept.
+    Mutation("a retry returns the truncated body (a block's bytes kept unchecked)",
+             "accel_train/data/shards/cache.py", "start, end, check=wrong)", "start, end, check=None)",
+             ("tests/data/test_shard_blocks_are_checked_before_use.py",)),
 ]
 
 

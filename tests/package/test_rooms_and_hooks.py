@@ -18,6 +18,7 @@ ROOMS = [
     ("config", {"config"}),
     ("state", {"state"}),
     ("distributed", {"distributed"}),
+    ("storage", {"storage"}),
     ("data and workloads", {"data", "workloads"}),
     ("run folder", {"run"}),
     ("training", {"training"}),

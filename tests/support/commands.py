@@ -102,8 +102,9 @@ def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.
 
 
 def start_launch(num_processes: int, *args: str, log: Path, profile: str = "multi_gpu.yaml",
-                 launcher_args: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
-    return start(_launch_command(num_processes, args, profile, launcher_args=launcher_args), log, env)
+                 launcher_args: tuple[str, ...] = (), env: dict | None = None,
+                 script: str | None = None) -> subprocess.Popen:
+    return start(_launch_command(num_processes, args, profile, script, launcher_args), log, env)
 
 
 def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:

@@ -14,6 +14,7 @@ import torch
 from accel_train import hooks
 from accel_train.data import InMemoryImages
 from accel_train.data.in_memory import pad_for
+from accel_train.data.shards.dataset import ShardSamples
 
 
 class RecordedImages(InMemoryImages):
@@ -26,6 +27,30 @@ class RecordedImages(InMemoryImages):
     def __getitems__(self, indices):
         self.into.append([int(index) for index in indices])
         return super().__getitems__(indices)
+
+
+class RecordedShardSamples(ShardSamples):
+    """The same shards (still a ShardSamples, so the loader orders them with ShardOrder); the id of each sample read
+    is appended to `into`, in the order read. The DataLoader reads them through KeyedSamples one by one, so this
+    records in the process only with data.num_workers=0 (a worker's reads stay in the worker)."""
+
+    def __init__(self, source: ShardSamples, into: list) -> None:
+        vars(self).update(vars(source))
+        self.into = into
+
+    def __getitem__(self, sample: int):
+        self.into.append(int(sample))
+        return super().__getitem__(sample)
+
+
+def recorded_shards(dataset, into: list):
+    """`dataset` (shards, or a Subset of them: data.train_subset) with its ShardSamples recording into `into`; None
+    for any other dataset."""
+    if isinstance(dataset, ShardSamples):
+        return RecordedShardSamples(dataset, into)
+    if isinstance(dataset, torch.utils.data.Subset) and isinstance(dataset.dataset, ShardSamples):
+        return torch.utils.data.Subset(RecordedShardSamples(dataset.dataset, into), dataset.indices)
+    return None
 
 
 class CropFinder:
@@ -112,8 +137,16 @@ class Run(hooks.Hooks):
     def __init__(self, record: dict) -> None:
         self.record = record
         self.training_forwards = 0
+        self.shard_reads: list[int] | None = None  # the ids of shard samples read and not yet in a loaded micro-batch
 
     def data_built(self, data, split):
+        if split == "train" and not isinstance(data.dataset, InMemoryImages):
+            reads = []
+            recording = recorded_shards(data.dataset, reads)
+            if recording is None:
+                return data
+            self.shard_reads = reads
+            return dataclasses.replace(data, dataset=recording)
         if not isinstance(data.dataset, InMemoryImages):
             return data
         if split == "train":
@@ -121,6 +154,14 @@ class Run(hooks.Hooks):
         samples = data.dataset  # an evaluation split: (label, pixel sum) of each sample
         self.record["eval_sets"].append(list(zip(samples.labels.tolist(), samples.images.flatten(1).sum(1).tolist())))
         return data
+
+    def micro_batch_loaded(self, progress, batch):
+        # Shards are read a sample at a time, and Accelerate's loader reads the next micro-batch before it hands this
+        # one over: this micro-batch's ids are the first len(batch) of those read and not yet handed over.
+        if self.shard_reads is not None:
+            size = len(batch[0])
+            self.record["batches"].append(self.shard_reads[:size])
+            del self.shard_reads[:size]
 
     def model_prepared(self, model):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

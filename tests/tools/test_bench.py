@@ -6,6 +6,7 @@ import json
 import math
 
 from support.commands import run_cli
+from support.locations import needs_fashion_mnist
 
 TINY = ["data.synthetic=true", "data.train_subset=64", "data.eval_subset=16", "train.batch_size=8",
         "train.eval_batch_size=16", "data.num_workers=1"]
@@ -35,3 +36,28 @@ def test_bench_quick_writes_json_and_markdown_with_every_section(tmp_path):
         assert heading in markdown
     tables = [line for line in markdown.splitlines() if line.startswith("|")]
     assert all(line.count("|") == tables[0].count("|") for line in tables[:5])  # first table: 4 columns each row
+
+
+@needs_fashion_mnist
+def test_bench_shards_reads_the_same_images_four_ways_and_counts_the_bytes_each_took_from_the_store(object_store,
+                                                                                                   tmp_path):
+    """`accel-train bench --shards s3://...`: one epoch of the same 600 Fashion-MNIST images from shards in the store
+    with a cold and a warm cache, from an ImageFolder tree and through webdataset's loader. The cold epoch takes every
+    block of the training shards from the store once, the warm one nothing, webdataset every shard whole."""
+    from accel_train.data.shards.dataset import read_index
+    from accel_train.storage import Store
+
+    url = object_store.url("bench")
+    result = run_cli("bench", "--shards", url, "fashion_mnist_cnn", f"data.root={tmp_path / 'fashion_mnist'}",
+                     "data.train_subset=600", "data.eval_subset=100", "train.batch_size=50", "data.num_workers=1",
+                     f"output_dir={tmp_path / 'bench'}", timeout=600)
+    bench = json.loads((tmp_path / "bench" / "bench_shards.json").read_text())
+    rows = {row["source"]: row for row in bench["rows"]}
+    assert list(rows) == ["shards from the store, cold cache", "shards from the store, warm cache",
+                          "ImageFolder tree on local disk", "webdataset's own loader over the same shards"]
+    assert all(row["samples_per_s"] > 0 and row["samples"] > 0 for row in rows.values())
+    index = read_index(Store(url), "train")
+    assert index.samples == bench["train_samples"] == 600
+    blocks = sum(shard.end - shard.offsets[0] for shard in index.shards)
+    assert [row["store_bytes"] for row in rows.values()] == [blocks, 0, 0, index.bytes]
+    assert (tmp_path / "bench" / "bench_shards.md").read_text() in result.stdout

@@ -1,0 +1,133 @@
+"""The node-local cache of shard blocks: each block downloaded once per node, verified against the sha256 its index
+lists, renamed into place whole, and kept under a size bound (least recently used evicted).
+
+Blocks are stored by their sha256, so a shard rewritten at the same URL (a new index) is never served from an old
+copy, and every process of a node (DataLoader workers too) shares one copy: a lock per block makes the others wait
+for the download under way instead of starting their own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from accel_train.data.shards.format import Shard
+from accel_train.storage import Store
+
+_LOCK_STRIPES = 4096  # lock files by the sha's first three hex digits: a bounded set, shared by all blocks
+_EVICT_EVERY = 0.05  # a process looks for blocks to evict after adding this share of the bound
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accel-train" / "shards"
+
+
+class BlockCache:
+    """Blocks of one store's shards in `folder` on this node, at most `max_bytes` of them."""
+
+    def __init__(self, store: Store, folder: Path, max_bytes: int) -> None:
+        self.store, self.folder, self.max_bytes = store, Path(folder), max_bytes
+        self.downloaded = 0  # bytes this process fetched from the store (the bench's and the tests' count)
+        self._added_since_eviction = 0
+
+    def block_path(self, sha256: str) -> Path:
+        return self.folder / "blocks" / sha256[:2] / sha256
+
+    def read_sample(self, shard: Shard, folder: str, position: int) -> bytes:
+        """The bytes of sample `position` of `shard` (stored under `folder` of the store), from its cached block."""
+        block = shard.block_of(position)
+        block_start, _ = shard.block_span(block)
+        start, end = shard.sample_span(position)
+        for _ in range(3):  # another process may evict the block between its download and this read
+            path = self.fetch(shard, folder, block)
+            try:
+                with open(path, "rb") as file:
+                    file.seek(start - block_start)
+                    return file.read(end - start)
+            except FileNotFoundError:
+                continue
+        raise RuntimeError(f"block {block} of {shard.name} keeps being evicted: data.cache_gb is too small for "
+                           "one window of shards")
+
+    def fetch(self, shard: Shard, folder: str, block: int) -> Path:
+        """The block's path in the cache, downloading it first unless this node has it (or is getting it)."""
+        sha256 = shard.blocks[block][1]
+        path = self.block_path(sha256)
+        if self._touch(path):
+            return path
+        with self._locked(sha256):
+            if self._touch(path):  # another process of this node fetched it while we waited
+                return path
+            start, end = shard.block_span(block)
+
+            def wrong(data: bytes) -> str | None:
+                if len(data) != end - start:
+                    return f"a body of {len(data)} bytes, not {end - start} (bytes {start} to {end})"
+                found = hashlib.sha256(data).hexdigest()
+                return None if found == sha256 else (f"block {block} has sha256 {found[:12]}..., not the index's "
+                                                     f"{sha256[:12]}...: the shard changed after its index was made")
+            data = self.store.read(f"{folder}/{shard.name}", start, end, check=wrong)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+            partial.write_bytes(data)
+            partial.replace(path)
+            self.downloaded += len(data)
+            self._added_since_eviction += len(data)
+        if self._added_since_eviction > self.max_bytes * _EVICT_EVERY:
+            self._added_since_eviction = 0
+            self.evict()
+        return path
+
+    def evict(self) -> None:
+        """Remove the least recently used blocks until the cache holds at most 90% of its bound."""
+        with self._locked("evict"):
+            blocks = []
+            for sub in (self.folder / "blocks").glob("*"):
+                for entry in os.scandir(sub):
+                    if not entry.name.startswith("."):
+                        stat = entry.stat()
+                        blocks.append((stat.st_mtime, stat.st_size, entry.path))
+            total = sum(size for _, size, _ in blocks)
+            if total <= self.max_bytes:
+                return
+            for _, size, path in sorted(blocks):
+                if total <= self.max_bytes * 0.9:
+                    break
+                Path(path).unlink(missing_ok=True)  # a reader that opened it keeps reading it (POSIX)
+                total -= size
+
+    @staticmethod
+    def _touch(path: Path) -> bool:
+        """Whether the block is here; if so it becomes the most recently used (its mtime, which LRU reads)."""
+        try:
+            os.utime(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    @contextmanager
+    def _locked(self, name: str):
+        locks = self.folder / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        stripe = name if name == "evict" else f"{int(name[:3], 16) % _LOCK_STRIPES:03x}"
+        with open(locks / stripe, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def wait_for(predicate, timeout_s: float, step_s: float = 0.05) -> bool:
+    """Poll `predicate` until it holds or `timeout_s` passes (for the prefetcher's threads)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()

@@ -1,0 +1,239 @@
+"""data.name=shards: the samples of a shard set at data.root (a folder or any fsspec URL), read one by one through
+this node's block cache and transformed as the data they were written from would be."""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, Subset
+from torchvision.transforms import v2
+
+from accel_train.config import DataConfig
+from accel_train.console import say
+from accel_train.data.imagefolder import imagefolder_transform
+from accel_train.data.in_memory import per_sample_transform
+from accel_train.data.registry import DATASETS, Data, given_normalization
+from accel_train.data.shards.cache import BlockCache, default_cache_dir
+from accel_train.data.shards.format import IMAGE_EXTENSIONS, INDEX_FILE, SplitIndex, label_of, sample_members
+from accel_train.distributed.environment import launcher_environment
+from accel_train.errors import DataNotFoundError
+from accel_train.storage import Store, check_location
+
+WRITE_HINT = "write them with accel-train shard RECIPE output=URL (or index tars of your own with accel-train shard " \
+             "index URL)"
+
+
+def read_index(store: Store, split: str, required: bool = True) -> SplitIndex | None:
+    """The split's index, or (not `required`) None where the store has none."""
+    name = f"{split}/{INDEX_FILE}"
+    try:
+        data = store.read(name)
+    except FileNotFoundError:
+        if not required:
+            return None
+        raise DataNotFoundError(f"data.root={store.location}: no {split} shards ({name} not found); "
+                                f"{WRITE_HINT}") from None
+    try:
+        return SplitIndex.from_json(data)
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataNotFoundError(f"{store.url(name)} is not an index of accel-train shards ({err}); {WRITE_HINT}"
+                                ) from None
+
+
+def eval_split(store: Store) -> tuple[str, SplitIndex]:
+    for split in ("test", "val"):
+        index = read_index(store, split, required=False)
+        if index is not None:
+            return split, index
+    raise DataNotFoundError(f"data.root={store.location}: no test (or val) shards to evaluate on; {WRITE_HINT}")
+
+
+class ShardSamples(Dataset):
+    """A split's samples by id (ids count through the shards in the index's order), each read from its block in this
+    node's cache and decoded; `transform` turns the decoded image into the model's input, as `transform` of
+    torchvision's datasets does (the validation split swaps it for the test split's)."""
+
+    def __init__(self, index: SplitIndex, split: str, cache: BlockCache, transform, image_mode: str | None) -> None:
+        self.index, self.split, self.cache, self.transform, self.image_mode = index, split, cache, transform, image_mode
+        self.starts = index.shard_starts()
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(shard number, position in it) of sample id `sample`."""
+        shard = int(np.searchsorted(self.starts, sample, side="right")) - 1
+        return shard, sample - int(self.starts[shard])
+
+    def shard_of(self) -> np.ndarray:
+        """The shard number of every sample id."""
+        return np.repeat(np.arange(len(self.index.shards)), np.diff(self.starts))
+
+    def members(self, sample: int) -> dict[str, bytes]:
+        shard, position = self.locate(sample)
+        return sample_members(self.cache.read_sample(self.index.shards[shard], self.split, position))
+
+    def __getitem__(self, sample: int):
+        members = self.members(sample)
+        found = next((extension for extension in IMAGE_EXTENSIONS if extension in members), None)
+        if found is not None:
+            image = Image.open(io.BytesIO(members[found]))
+            inputs = image.convert(self.image_mode) if self.image_mode else image
+        elif "npy" in members:
+            inputs = torch.from_numpy(np.load(io.BytesIO(members["npy"]), allow_pickle=False))
+        else:
+            raise DataNotFoundError(f"{self.cache.store.url(self.split)}: sample {sample} has no image (.png, .jpg, "
+                                    f"...) nor .npy member, only {sorted(members)}; {WRITE_HINT}")
+        if self.transform is not None:
+            inputs = self.transform(inputs)
+        if "target.npy" in members:  # a target other than a class, as the dataset gave it (writer.py)
+            return inputs, torch.from_numpy(np.load(io.BytesIO(members["target.npy"]), allow_pickle=False))
+        label = next((label_of(extension, members[extension]) for extension in ("cls", "json") if extension in members),
+                     None)
+        return inputs, label
+
+
+def open_store(cfg: DataConfig) -> Store:
+    check_location(cfg.root, "data.root")
+    return Store(cfg.root, "data.root", cfg.store_patience_s)
+
+
+def block_cache(cfg: DataConfig, store: Store) -> BlockCache:
+    return BlockCache(store, Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
+                      int(cfg.cache_gb * 1e9))
+
+
+def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
+    """How a decoded sample becomes the model's input: as the data the shards were written from transforms it."""
+    if index.transforms == "as_written":
+        return lambda inputs: inputs if torch.is_tensor(inputs) else v2.functional.to_dtype(
+            v2.functional.pil_to_tensor(inputs), torch.float32, scale=True)
+    channels = index.channels
+    recorded = (tuple(index.mean), tuple(index.std)) if index.mean is not None else None
+    if index.transforms == "imagefolder":
+        return imagefolder_transform(cfg, train, recorded)
+    if not cfg.normalize:
+        mean, std = (0.0,) * channels, (1.0,) * channels
+    else:
+        mean, std = given_normalization(cfg, channels) or recorded or ((0.5,) * channels, (0.5,) * channels)
+    side = index.image_size
+    if side is None:
+        raise DataNotFoundError(f"data.root={cfg.root}: the {index.split} shards' images differ in size, which their "
+                                f"transforms ({index.transforms}) need alike; {WRITE_HINT}")
+    return per_sample_transform(side, mean, std, train and cfg.augment, cfg.image_size or side,
+                                cfg.trivial_augment and train, cfg.random_erasing if train else 0.0)
+
+
+def input_shape(cfg: DataConfig, index: SplitIndex) -> tuple[int, ...]:
+    if index.transforms == "imagefolder":
+        size = cfg.image_size or 224
+        return 3, size, size
+    if index.transforms == "as_written":
+        return ()
+    size = cfg.image_size or index.image_size
+    return index.channels, size, size
+
+
+def image_mode(index: SplitIndex) -> str | None:
+    """The PIL mode images are read in: RGB as ImageFolder's loader gives them, or the source's own channels."""
+    if index.transforms == "imagefolder":
+        return "RGB"
+    return {1: "L", 3: "RGB"}.get(index.channels) if index.transforms == "in_memory" else None
+
+
+@DATASETS.register("shards")
+def shards(cfg: DataConfig, train: bool) -> Data:
+    """The train (or the test, else val) split of the shards at data.root."""
+    store = open_store(cfg)
+    split, index = ("train", read_index(store, "train")) if train else eval_split(store)
+    dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
+    if train:
+        _warn_of_a_cache_below_a_window(cfg, index)
+    limit = cfg.train_subset if train else cfg.eval_subset
+    if limit is not None:
+        dataset = Subset(dataset, range(min(limit, len(dataset))))
+    first = dataset[0] if index.transforms == "as_written" else None
+    shape = tuple(first[0].shape) if first is not None else input_shape(cfg, index)
+    return Data(dataset, cfg.num_classes or index.num_classes, shape, index.classes, first)
+
+
+def _warn_of_a_cache_below_a_window(cfg: DataConfig, index: SplitIndex) -> None:
+    """A cache that cannot hold the shards a global batch is drawn from evicts blocks before their other samples are
+    read: the run stays correct, but downloads each block again for about every sample (measured: 10 samples/s)."""
+    window = min(cfg.shuffle_window_shards, len(index.shards)) * index.bytes / len(index.shards)
+    if cfg.cache_gb * 1e9 < window and launcher_environment().is_reporting_process:
+        say(f"accel-train: warning: data.cache_gb={cfg.cache_gb:g} holds less than one window of shards "
+            f"(data.shuffle_window_shards={cfg.shuffle_window_shards}, {window / 1e9:.2g} GB): blocks are downloaded "
+            "again and again, and training is slow; raise data.cache_gb, or lower data.shuffle_window_shards",
+            error=True)
+
+
+def shard_layout(dataset) -> tuple[np.ndarray, int] | None:
+    """(the shard number of each of the dataset's indices, the shard count) when `dataset` is shards (in Subsets),
+    else None."""
+    indices = None
+    while isinstance(dataset, Subset):
+        inner = np.asarray(dataset.indices)
+        indices = inner if indices is None else inner[indices]
+        dataset = dataset.dataset
+    if not isinstance(dataset, ShardSamples):
+        return None
+    shard_of = dataset.shard_of()
+    return (shard_of if indices is None else shard_of[indices]), len(dataset.index.shards)
+
+
+def validation_split(cfg: DataConfig) -> Data | None:
+    """The shards' own val split where a test split is there too (as ImageFolder's val/ beside test/), else None."""
+    store = open_store(cfg)
+    if read_index(store, "test", required=False) is None:
+        return None
+    index = read_index(store, "val", required=False)
+    if index is None:
+        return None
+    dataset = ShardSamples(index, "val", block_cache(cfg, store), transform_of(cfg, index, False), image_mode(index))
+    if cfg.eval_subset is not None:
+        dataset = Subset(dataset, range(min(cfg.eval_subset, len(dataset))))
+    return Data(dataset, cfg.num_classes or index.num_classes, input_shape(cfg, index), index.classes)
+
+
+def image_converter(cfg: DataConfig):
+    """How predict turns one image file into the model's input: as the shards' evaluation split turns its images."""
+    index = eval_split(open_store(cfg))[1]
+    transform, mode = transform_of(cfg, index, False), image_mode(index)
+    side = index.image_size if index.transforms == "in_memory" else None
+
+    def convert(image: Image.Image) -> torch.Tensor:
+        image = image.convert(mode) if mode else image
+        if side and image.size != (side, side):  # the shards' own resolution first, as their images have it
+            image = image.resize((side, side), Image.Resampling.BILINEAR)
+        return transform(image)
+    shape = input_shape(cfg, index)
+    return convert, shape or None
+
+
+def same_images(recorded: dict, data: DataConfig) -> bool:
+    """Shards and the data they were written from hold the same images: a run trained on one may be evaluated on
+    the other (their index records the source's name, classes and normalisation)."""
+    before, now = recorded.get("name"), data.name
+    if before == "shards" and now != "shards":
+        return written_from(str(recorded.get("root"))) == now
+    if now == "shards" and before != "shards":
+        return written_from(data.root) == before
+    return False
+
+
+@lru_cache(maxsize=8)
+def written_from(root: str) -> str | None:
+    """The data.name the shards at `root` were written from (their test split's record), or None if unreadable."""
+    try:
+        store = Store(root, "data.root", patience_s=5.0)
+        return eval_split(store)[1].source
+    except Exception:  # any failure to read means "not known to be the same data": the refusal stands
+        return None
+
+

@@ -1,0 +1,309 @@
+"""`accel-train shard`: any data accel-train reads (a recipe's dataset, an ImageFolder tree, a dataset by import path)
+written as shards at a folder or URL, one split at a time; and `accel-train shard index`: tars of one's own
+(webdataset's) given the index that trains them.
+
+Writing is deterministic (the same source and settings make the same bytes), so a write cut short is finished by
+running the same command again: each shard's entry is recorded beside it once it is complete, and the split's
+index.json, written last, is what marks the split complete.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Subset
+
+from accel_train.config import DataConfig
+from accel_train.console import say
+from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, own_validation_folder
+from accel_train.data.in_memory import InMemoryImages
+from accel_train.data.registry import given_normalization
+from accel_train.data.shards.format import (
+    BLOCK_BYTES,
+    IMAGE_EXTENSIONS,
+    INDEX_FILE,
+    SPLITS,
+    Shard,
+    SplitIndex,
+    index_tar,
+    split_key,
+    tar_of,
+)
+from accel_train.data.torchvision_sets import SOURCES
+from accel_train.errors import UserError
+from accel_train.storage import Store, check_location
+
+SHARD_MB = 256  # webdataset's advice: shards of 100 MB to 1 GB
+WRITING_FILE = "shard-writing.json"  # present while a write is under way (or was cut short)
+WRITTEN = ".written"  # per split: one entry per complete shard, until the index is written
+
+
+@dataclass
+class SourceSplit:
+    """One split of the source: its samples as tar members, and what the index records of it."""
+
+    split: str
+    count: int
+    members: Callable[[int], dict[str, bytes]]  # sample i -> {extension: bytes}, its label as "cls" or "target.npy"
+    record: dict  # SplitIndex fields: classes, num_classes, channels, image_size, mean, std, transforms, source
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _label_members(label) -> dict[str, bytes]:
+    """A class index as KEY.cls (webdataset's convention); any other target (a regression's floats) as
+    KEY.target.npy, which comes back with its dtype and shape."""
+    whole = torch.is_tensor(label) and label.numel() == 1 and not label.is_floating_point() and \
+        not label.is_complex()
+    if whole or isinstance(label, (int, np.integer)) and not isinstance(label, bool):
+        return {"cls": str(int(label)).encode()}
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(label), allow_pickle=False)
+    return {"target.npy": buffer.getvalue()}
+
+
+def _in_memory(cfg: DataConfig, data, split: str) -> SourceSplit:
+    images, labels = data.dataset.images.cpu(), data.dataset.labels.cpu()
+    channels, side = images.shape[1], images.shape[-1]
+    source = SOURCES[cfg.name]
+    mean, std = given_normalization(cfg, channels) or (source.mean, source.std)
+
+    def members(index: int) -> dict[str, bytes]:
+        pixels = images[index].permute(1, 2, 0).numpy()
+        return {"png": _png(pixels[..., 0] if channels == 1 else pixels), "cls": str(int(labels[index])).encode()}
+    return SourceSplit(split, len(labels), members, dict(classes=data.classes, num_classes=data.num_classes,
+                                                         channels=channels, image_size=side, mean=list(mean),
+                                                         std=list(std), transforms="in_memory", source=cfg.name))
+
+
+def _imagefolder(cfg: DataConfig, dataset, split: str) -> SourceSplit:
+    indices = None
+    if isinstance(dataset, Subset):
+        dataset, indices = dataset.dataset, list(dataset.indices)
+    files = dataset.samples if indices is None else [dataset.samples[index] for index in indices]
+    mean, std = given_normalization(cfg, 3) or (IMAGENET_MEAN, IMAGENET_STD)
+
+    def members(index: int) -> dict[str, bytes]:
+        path, label = files[index]
+        extension = path.rsplit(".", 1)[-1].lower()
+        with open(path, "rb") as file:  # the file's own bytes: no second compression
+            return {extension if extension in IMAGE_EXTENSIONS else "png": file.read(), "cls": str(label).encode()}
+    return SourceSplit(split, len(files), members, dict(classes=list(dataset.classes),
+                                                        num_classes=len(dataset.classes), channels=3, image_size=None,
+                                                        mean=list(mean), std=list(std), transforms="imagefolder",
+                                                        source="imagefolder"))
+
+
+def _is_image_tensor(inputs) -> bool:
+    return torch.is_tensor(inputs) and inputs.dtype == torch.uint8 and inputs.dim() == 3 and inputs.shape[0] in (1, 3)
+
+
+def _as_written(cfg: DataConfig, data, split: str) -> SourceSplit:
+    """A dataset by import path, as its samples come: images (PIL, or uint8 tensors) as PNG, other tensors as .npy."""
+    dataset = data.dataset
+
+    def members(index: int) -> dict[str, bytes]:
+        sample = dataset[index]
+        inputs, label = (sample[0], sample[1]) if isinstance(sample, (tuple, list)) else (sample, None)
+        if isinstance(inputs, Image.Image):
+            found = {"png": _png(np.asarray(inputs))}
+        elif _is_image_tensor(inputs):
+            pixels = inputs.permute(1, 2, 0).numpy()
+            found = {"png": _png(pixels[..., 0] if inputs.shape[0] == 1 else pixels)}
+        else:
+            buffer = io.BytesIO()
+            np.save(buffer, np.asarray(inputs), allow_pickle=False)
+            found = {"npy": buffer.getvalue()}
+        return {**found, **(_label_members(label) if label is not None else {})}
+    return SourceSplit(split, len(dataset), members, dict(classes=data.classes, num_classes=data.num_classes,
+                                                          channels=0, image_size=None, mean=None, std=None,
+                                                          transforms="as_written", source=cfg.name))
+
+
+def source_splits(cfg: DataConfig) -> list[SourceSplit]:
+    """The train and test splits of data.name (and ImageFolder's own val/ beside test/)."""
+    from accel_train.data import build_dataset
+    from accel_train.data.imagefolder import imagefolder_data, imagefolder_transform
+
+    if cfg.name == "shards":
+        raise UserError("shard: data.name=shards is written already; give the recipe of the data to write")
+    if cfg.name == "imagefolder" and cfg.synthetic:
+        raise UserError("shard: data.synthetic=true has no image files to write for imagefolder; use a torchvision "
+                        "dataset's recipe (fashion_mnist, cifar10, ...) with data.synthetic=true")
+    splits = []
+    for split, train in (("train", True), ("test", False)):
+        data = build_dataset(cfg, train)
+        if isinstance(data.dataset, InMemoryImages):
+            splits.append(_in_memory(cfg, data, split))
+        elif cfg.name == "imagefolder":
+            splits.append(_imagefolder(cfg, data.dataset, split))
+        else:
+            splits.append(_as_written(cfg, data, split))
+    own = own_validation_folder(cfg)
+    if own is not None:
+        validation = imagefolder_data(cfg, own, imagefolder_transform(cfg, False), cfg.eval_subset)
+        splits.append(_imagefolder(cfg, validation.dataset, "val"))
+    return splits
+
+
+def _tar_size(members: dict[str, bytes]) -> int:
+    return sum(tarfile.BLOCKSIZE + -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE for data in members.values())
+
+
+def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block_mb: float = BLOCK_BYTES / 2**20,
+                 recipe: str = "") -> None:
+    """Every split of data.name as shards at `output`; see the module's docstring for a rerun."""
+    from accel_train.data import check_data_name
+
+    check_location(output, "output")
+    check_data_name(cfg)
+    store = Store(output, "output", cfg.store_patience_s)
+    settings = {"source": cfg.name, "root": cfg.root, "synthetic": cfg.synthetic, "args": cfg.args,
+                "train_subset": cfg.train_subset, "eval_subset": cfg.eval_subset, "shard_mb": shard_mb,
+                "block_mb": block_mb}
+    if _already_written(store, settings):
+        return
+    started = time.monotonic()
+    store.write(WRITING_FILE, json.dumps(settings).encode())
+    splits = source_splits(cfg)
+    written = [_write_split(store, source, settings, int(shard_mb * 2**20), int(block_mb * 2**20))
+               for source in splits]
+    store.remove(WRITING_FILE)
+    samples = " and ".join(f"{index.samples:,} {index.split}" for index in written)
+    shards, size = sum(len(index.shards) for index in written), sum(index.bytes for index in written)
+    say(f"shard: wrote {samples} samples in {shards} shards ({size / 1e6:,.1f} MB) to {store.location} in "
+        f"{time.monotonic() - started:.1f} s; train from them with: accel-train train {recipe or 'RECIPE'} "
+        f"data.name=shards data.root={store.location}{' data.args={}' if cfg.args else ''}")
+
+
+def _already_written(store: Store, settings: dict) -> bool:
+    """True when `output` holds these shards complete; a refusal when it holds others or a write of other settings;
+    False (write, or finish) otherwise."""
+    pending = store.exists(WRITING_FILE)
+    if pending:
+        before = json.loads(store.read(WRITING_FILE))
+        if before != settings:
+            raise UserError(f"shard: {store.location} holds a write cut short of other settings "
+                            f"({_differences(before, settings)}); run it again with those, or give another output= "
+                            "(or remove that one)")
+        say(f"shard: finishing the write to {store.location} that was cut short")
+        return False
+    indexes = [SplitIndex.from_json(store.read(f"{split}/{INDEX_FILE}")) for split in SPLITS
+               if store.exists(f"{split}/{INDEX_FILE}")]
+    if indexes:
+        before = indexes[0].settings or {}
+        if before != settings:
+            raise UserError(f"shard: {store.location} already holds shards of other settings "
+                            f"({_differences(before, settings)}); give another output= (or remove that one)")
+        held = ", ".join(f"{index.samples:,} {index.split}" for index in indexes)
+        say(f"shard: {store.location} already holds these shards complete ({held} samples in "
+            f"{sum(len(index.shards) for index in indexes)} shards); nothing to do")
+        return True
+    for split in SPLITS:
+        if store.names(split):
+            raise UserError(f"shard: {store.url(split)} holds files but no {INDEX_FILE}; for tars of your own, "
+                            f"give them an index: accel-train shard index {store.location}; else choose another "
+                            "output=")
+    return False
+
+
+def _differences(before: dict, now: dict) -> str:
+    return ", ".join(f"{key} {before.get(key)!r} then, {now.get(key)!r} now" for key in now
+                     if before.get(key) != now.get(key)) or "unreadable settings"
+
+
+def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes: int, block_bytes: int) -> SplitIndex:
+    from tqdm.auto import tqdm
+
+    done = sorted(name for name in store.names(f"{source.split}/{WRITTEN}") if name.endswith(".json"))
+    shards = [Shard(**{**entry, "blocks": [tuple(block) for block in entry["blocks"]]})
+              for entry in (json.loads(store.read(f"{source.split}/{WRITTEN}/{name}")) for name in done)]
+    first = sum(shard.samples for shard in shards)
+    sizes, pending, pending_bytes = set(), [], 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        name = f"shard-{len(shards):06d}.tar"
+        data = tar_of(pending)
+        shard, _ = index_tar(name, data, block_bytes)
+        store.write(f"{source.split}/{name}", data)
+        store.write(f"{source.split}/{WRITTEN}/{name}.json", json.dumps(asdict(shard)).encode())
+        shards.append(shard)
+        pending, pending_bytes = [], 0
+
+    with tqdm(total=source.count, initial=first, desc=f"shard {source.split}", unit="samples") as bar:
+        for index in range(first, source.count):
+            members = source.members(index)
+            if source.record["transforms"] != "as_written":
+                image = next(data for extension, data in members.items() if extension in IMAGE_EXTENSIONS)
+                sizes.add(Image.open(io.BytesIO(image)).size)
+            pending.append((f"{index:09d}", members))
+            pending_bytes += _tar_size(members)
+            if pending_bytes >= shard_bytes:
+                flush()
+            bar.update()
+        if pending:
+            flush()
+    record = dict(source.record)
+    if record["image_size"] is None and len(sizes) == 1 and len({*next(iter(sizes))}) == 1:
+        record["image_size"] = next(iter(sizes))[0]
+    index = SplitIndex(source.split, shards, block_bytes=block_bytes, settings=settings, **record)
+    store.write(f"{source.split}/{INDEX_FILE}", index.to_json())
+    for name in done + [f"{shard.name}.json" for shard in shards[len(done):]]:
+        store.remove(f"{source.split}/{WRITTEN}/{name}")
+    return index
+
+
+def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
+    """`accel-train shard index URL`: an index for each split folder (train/, test/, val/) of tars written by
+    webdataset or any tool that keeps a sample's members together (KEY.png + KEY.cls, ...)."""
+    from tqdm.auto import tqdm
+
+    check_location(location, "shard index")
+    store = Store(location, "shard index")
+    found = {split: [name for name in store.names(split) if name.endswith(".tar")] for split in SPLITS}
+    if not found["train"] or not (found["test"] or found["val"]):
+        raise UserError(f"shard index: {store.location} needs train/*.tar and test/*.tar (or val/*.tar); found "
+                        f"{', '.join(f'{split}/: {len(names)} tar(s)' for split, names in found.items())}")
+    indexes, known = [], []
+    for split, names in found.items():
+        if not names:
+            continue
+        shards, labels, sizes, kinds = [], [], set(), set()
+        for name in tqdm(names, desc=f"index {split}", unit="shards"):
+            data = store.read(f"{split}/{name}")
+            shard, shard_labels = index_tar(name, data, int(block_mb * 2**20))
+            shards.append(shard)
+            labels += shard_labels
+            for position in range(shard.samples):
+                start, end = shard.sample_span(position)
+                with tarfile.open(fileobj=io.BytesIO(data[start:end]), mode="r:") as tar:
+                    for member in tar:
+                        parts = split_key(member.name)
+                        if parts and parts[1] in IMAGE_EXTENSIONS:
+                            image = Image.open(tar.extractfile(member))
+                            sizes.add(image.size)
+                            kinds.add(image.mode)
+        known += [label for label in labels if isinstance(label, int)]
+        side = next(iter(sizes))[0] if len(sizes) == 1 and len({*next(iter(sizes))}) == 1 else None
+        indexes.append(SplitIndex(split, shards, classes=None, num_classes=None, channels=1 if kinds == {"L"} else 3,
+                                  image_size=side, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
+                                  transforms="imagefolder" if sizes else "as_written", source="tars",
+                                  block_bytes=int(block_mb * 2**20), settings={"indexed": names}))
+    for index in indexes:  # one count of classes for every split (a test split may lack the last classes)
+        index.num_classes = max(known) + 1 if known else None
+        store.write(f"{index.split}/{INDEX_FILE}", index.to_json())
+        say(f"shard index: {store.url(index.split)}: {index.samples:,} samples in {len(index.shards)} tars "
+            f"({index.bytes / 1e6:,.1f} MB)")

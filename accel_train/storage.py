@@ -1,0 +1,242 @@
+"""Where bytes live: a local folder or any fsspec URL (s3://, gs://, az://, ...), read and written through one
+`Store`, every remote call retried on transient errors for a bounded time.
+
+Credentials and endpoints come from each storage's own environment (AWS_PROFILE, AWS_ENDPOINT_URL, ...), never
+from a config; the storage libraries are extras (`pip install 'accel-train[s3]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from accel_train.console import say
+from accel_train.errors import DataNotFoundError, UserError
+
+T = TypeVar("T")
+
+# The extra that brings each protocol's library (pyproject's optional-dependencies).
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+# Inside the client: short timeouts and few retries of its own, so that our loop (Store.patience_s) bounds the
+# time a store that stays down costs, and says so once, instead of the library's minutes of silent retries.
+CLIENT_OPTIONS = {
+    "s3": {"config_kwargs": {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2,
+                                                                                   "mode": "standard"}}},
+}
+CLIENT_ATTRIBUTES = {"s3": {"retries": 2}}  # s3fs's own retry count is a class attribute
+PATIENCE_S = 60.0  # how long a store may stay unreachable before a read gives up (exit 3)
+_warned = threading.Event()  # one retry warning per process
+
+
+class StoreUnavailable(DataNotFoundError):
+    """The store stayed unreachable (or kept answering wrong bytes) for the whole patience; exit code 3. Each process
+    that met it says so."""
+
+    on_every_process = False
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    """A URL of a storage other than the local file system (`file://` and plain paths are local)."""
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def join(location: str, *names: str) -> str:
+    """`location/name/...` for a URL or a local path alike."""
+    return "/".join([str(location).rstrip("/"), *(name.strip("/") for name in names)])
+
+
+def protocol_of(url: str) -> str:
+    return url.split("://", 1)[0] if is_remote(url) else "file"
+
+
+def check_location(location: str, key: str) -> None:
+    """Before anything is read: a URL with a library for its protocol, and no credentials inside it."""
+    if not is_remote(location):
+        return
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(location)
+    if parts.username or parts.password:
+        raise UserError(f"{key}: credentials inside the URL would be recorded in config.yaml; give them through the "
+                        f"storage's own environment (for s3://, AWS_PROFILE or AWS_ACCESS_KEY_ID and "
+                        f"AWS_SECRET_ACCESS_KEY) and write {parts.scheme}://{parts.hostname}{parts.path}")
+    _filesystem(location, key)
+
+
+def _filesystem(url: str, key: str):
+    import fsspec
+
+    protocol = protocol_of(url)
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise UserError(f"{key}={url}: no storage library knows {protocol}://; use a local path or a URL such as "
+                        "s3://bucket/folder, gs://bucket/folder or az://container/folder") from None
+    except ImportError:
+        extra = EXTRAS.get(protocol)
+        install = f"pip install 'accel-train[{extra}]'" if extra else f"install the fsspec library for {protocol}://"
+        raise UserError(f"{key}={url}: reading {protocol}:// needs its storage library: {install}") from None
+    fs = cls(**CLIENT_OPTIONS.get(protocol, {}), skip_instance_cache=True)
+    for name, value in CLIENT_ATTRIBUTES.get(protocol, {}).items():
+        setattr(fs, name, value)
+    return fs
+
+
+def _is_transient(err: BaseException) -> bool:
+    """An error that another attempt may not meet: the network, the store's own 5xx or SlowDown, a body cut short.
+    Not: a missing object, a refused permission, missing credentials, or a bug."""
+    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return False
+    module = type(err).__module__.split(".")[0]
+    if type(err).__name__ in ("NoCredentialsError", "PartialCredentialsError", "NoRegionError"):
+        return False
+    return isinstance(err, (OSError, TimeoutError, EOFError)) or module in ("aiohttp", "botocore", "http", "urllib3",
+                                                                             "requests", "fsspec")
+
+
+def _access_problem(err: BaseException, url: str) -> UserError | None:
+    """The one line for what no retry fixes: credentials, permission, an unknown bucket."""
+    name = type(err).__name__
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return UserError(f"no credentials to read {url}: set the storage's own environment (for s3://, AWS_PROFILE, "
+                         "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for a store other than "
+                         "AWS)")
+    if isinstance(err, PermissionError):
+        return UserError(f"{url}: access denied ({err}); check the credentials in the storage's environment "
+                         "(AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) and the bucket's permissions")
+    if isinstance(err, FileNotFoundError) and "bucket" in str(err).lower():
+        return UserError(f"{url}: {err}; check the bucket's name (and AWS_ENDPOINT_URL for a store other than AWS)")
+    return None
+
+
+class Store:
+    """A folder at a local path or URL. Remote reads and writes are retried on transient errors, with backoff, for at
+    most `patience_s`; the first retry in a process prints one line."""
+
+    def __init__(self, location: str, key: str = "data.root", patience_s: float = PATIENCE_S) -> None:
+        self.location, self.key, self.patience_s = str(location).rstrip("/"), key, patience_s
+        self.remote = is_remote(self.location)
+        self._fs, self._pid = None, None  # the client, made in each process that uses it
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fs": None}
+
+    @property
+    def fs(self):
+        # fsspec's async clients are not fork-safe: a DataLoader worker forked with the parent's makes its own
+        if self._fs is None or self._pid != os.getpid():
+            self._fs, self._pid = (_filesystem(self.location, self.key) if self.remote else None), os.getpid()
+        return self._fs
+
+    def url(self, name: str = "") -> str:
+        return join(self.location, name) if name else self.location
+
+    def _path(self, name: str) -> str:
+        return self.fs._strip_protocol(self.url(name))
+
+    def read(self, name: str, start: int | None = None, end: int | None = None,
+             check: Callable[[bytes], str | None] | None = None) -> bytes:
+        """The object's bytes [start, end). `check(data)` names what is wrong with bytes that arrived (a body cut
+        short, a hash that differs): such a read is retried like a transient error, and reported if it persists."""
+        def attempt() -> bytes:
+            if self.remote:
+                data = self.fs.cat_file(self._path(name), start=start, end=end)
+            else:
+                with open(self.url(name), "rb") as file:
+                    file.seek(start or 0)
+                    data = file.read(-1 if end is None else end - (start or 0))
+            problem = check(data) if check else None
+            if problem:
+                raise _WrongBytes(problem)
+            return data
+        return self.retrying(attempt, self.url(name))
+
+    def size(self, name: str) -> int:
+        if not self.remote:
+            return os.path.getsize(self.url(name))
+        return self.retrying(lambda: self.fs.size(self._path(name)), self.url(name))
+
+    def exists(self, name: str) -> bool:
+        if not self.remote:
+            return os.path.exists(self.url(name))
+        return self.retrying(lambda: self.fs.exists(self._path(name)), self.url(name))
+
+    def names(self, folder: str = "") -> list[str]:
+        """The names of the objects directly under `folder` (empty if there is none)."""
+        if not self.remote:
+            path = Path(self.url(folder))
+            return sorted(entry.name for entry in path.iterdir() if entry.is_file()) if path.is_dir() else []
+
+        def listing() -> list[str]:
+            try:
+                return sorted(entry.rsplit("/", 1)[-1] for entry in self.fs.ls(self._path(folder), detail=False,
+                                                                               refresh=True))
+            except FileNotFoundError as err:
+                if "bucket" in str(err).lower():
+                    raise
+                return []
+        return self.retrying(listing, self.url(folder))
+
+    def write(self, name: str, data: bytes) -> None:
+        """The whole object at once: a reader never sees part of it (a local file is renamed into place; an object
+        store publishes an object only when its upload completes)."""
+        if not self.remote:
+            path = Path(self.url(name))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+            partial.write_bytes(data)
+            partial.replace(path)
+            return
+        self.retrying(lambda: self.fs.pipe_file(self._path(name), data), self.url(name))
+
+    def remove(self, name: str) -> None:
+        if not self.remote:
+            path = Path(self.url(name))
+            path.unlink(missing_ok=True)
+            if path.parent != Path(self.location) and not any(path.parent.iterdir()):
+                path.parent.rmdir()  # object stores have no empty folders; a local store keeps none either
+            return
+        self.retrying(lambda: self.fs.rm_file(self._path(name)) if self.fs.exists(self._path(name)) else None,
+                      self.url(name))
+
+    def retrying(self, action: Callable[[], T], url: str) -> T:
+        """`action()`, again after each transient error (backoff from 0.2 s, doubling up to 5 s) until it succeeds or
+        `patience_s` has passed since the first failure: then one StoreUnavailable line naming `url`."""
+        started, delay, attempts = None, 0.2, 0
+        while True:
+            attempts += 1
+            try:
+                return action()
+            except Exception as err:  # classified below: what another attempt cannot fix is raised at once
+                problem = _access_problem(err, url)
+                if problem is not None:
+                    raise problem from None
+                if not (isinstance(err, _WrongBytes) or _is_transient(err)):
+                    raise
+                now = time.monotonic()
+                started = started or now
+                reason = str(err) if isinstance(err, _WrongBytes) else f"{type(err).__name__}: {err}"
+                if now - started + delay > self.patience_s:
+                    what = ("check that the data at that URL is the one its index describes (rewrite it with "
+                            "accel-train shard)" if isinstance(err, _WrongBytes) else
+                            "check that the store is reachable from this machine (and AWS_ENDPOINT_URL or the "
+                            "storage's own settings)")
+                    raise StoreUnavailable(f"cannot read {url}: {reason.splitlines()[0][:300]} ({attempts} attempts "
+                                           f"in {now - started:.0f} s); {what}, then run again with resume=auto"
+                                           ) from None
+                if not _warned.is_set():
+                    _warned.set()
+                    say(f"accel-train: warning: {url}: {reason.splitlines()[0][:200]}; retrying for up to "
+                        f"{self.patience_s:.0f} s", error=True)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+class _WrongBytes(Exception):
+    """Bytes that arrived but are not the ones asked for (a body cut short, another hash)."""

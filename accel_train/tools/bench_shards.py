@@ -1,0 +1,152 @@
+"""`accel-train bench --shards URL`: the input pipeline over the same images from shards in a store (a cold and a
+warm cache), from an ImageFolder tree on local disk, and through webdataset's own loader over the same shards,
+side by side; and the bytes each read from the store.
+
+The recipe's images (a dataset of the registry) are written once as an ImageFolder tree under output_dir and as
+shards of that tree at URL; every row then decodes the same PNG files with the same transforms (ImageFolder's, at
+the images' own size) on the same number of DataLoader workers, one epoch each. Bytes read from the store are what
+the cache took in (blocks are only ever added by a download), or, for webdataset, the shards it streamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from accel_train.config import Config, load_config
+from accel_train.console import say
+from accel_train.data import build_dataset, make_loader, start_epoch
+from accel_train.data.shards.dataset import open_store, read_index
+from accel_train.data.shards.writer import write_shards
+from accel_train.distributed.accelerator import make_accelerator
+from accel_train.distributed.devices import dataloader_workers
+from accel_train.errors import UserError
+
+
+def run_shards_bench(recipe: str, overrides: list[str], url: str, batches: int | None) -> dict:
+    config = load_config(recipe, ["output_dir=runs/bench_shards", "train.progress_bar=false", *overrides])
+    out = Path(config.output_dir)
+    tree = out / "images"
+    source = build_dataset(config.data, train=True)
+    if not source.in_memory:
+        raise UserError(f"bench --shards: data.name={config.data.name}: give a recipe of a dataset of the registry "
+                        "(mnist, fashion_mnist, cifar10, stl10); its images are written as an ImageFolder tree and "
+                        "as shards of it, so that every row reads the same files")
+    started = time.perf_counter()
+    _write_tree(config, tree)
+    side = source.image_shape[-1]
+    data = dataclasses.replace(config.data, name="imagefolder", root=str(tree), image_size=side, train_subset=None,
+                               eval_subset=None)
+    write_shards(data, url, shard_mb=16)
+    say(f"bench --shards: the images and the shards ready in {time.perf_counter() - started:.0f} s")
+    shards = dataclasses.replace(data, name="shards", root=url)
+    accelerator = make_accelerator(config.seed)
+    batch, workers = config.train.batch_size, dataloader_workers(config.data.num_workers)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="accel-train-bench-cache-") as cache:
+        shards = dataclasses.replace(shards, cache_dir=cache)
+        for name in ("shards from the store, cold cache", "shards from the store, warm cache"):
+            before = _folder_bytes(Path(cache))
+            rate, samples = _epoch(accelerator, shards, batch, batches)
+            rows.append({"source": name, "samples_per_s": rate, "samples": samples,
+                         "store_bytes": _folder_bytes(Path(cache)) - before})
+    rate, samples = _epoch(accelerator, data, batch, batches)
+    rows.append({"source": "ImageFolder tree on local disk", "samples_per_s": rate, "samples": samples,
+                 "store_bytes": 0})
+    try:
+        rate, samples, streamed = _webdataset_epoch(shards, batch, workers, batches)
+        rows.append({"source": "webdataset's own loader over the same shards", "samples_per_s": rate,
+                     "samples": samples, "store_bytes": streamed})
+    except ImportError:
+        say("bench --shards: webdataset is not installed (pip install webdataset): its row is left out")
+    result = {"recipe": recipe, "url": url, "batch_size": batch, "workers": workers, "image_size": side,
+              "train_samples": len(source.dataset), "rows": rows}
+    (out / "bench_shards.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = to_markdown(result)
+    (out / "bench_shards.md").write_text(table)
+    print(table, flush=True)
+    return result
+
+
+def _write_tree(config: Config, tree: Path) -> None:
+    """The recipe's train and test images as PNG files in class folders (once: kept for the next bench)."""
+    from PIL import Image
+
+    if (tree / "complete").exists():
+        return
+    shutil.rmtree(tree, ignore_errors=True)
+    for split, train in (("train", True), ("test", False)):
+        data = build_dataset(config.data, train)
+        images, labels = data.dataset.images.cpu(), data.dataset.labels.cpu()
+        for index in range(len(labels)):
+            folder = tree / split / data.classes[int(labels[index])].replace("/", "_")
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = images[index].permute(1, 2, 0).numpy()
+            Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(folder / f"{index:06d}.png")
+    (tree / "complete").write_text("")
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def _epoch(accelerator, cfg, batch: int, batches: int | None) -> tuple[float, int]:
+    """Samples per second over one epoch (or `batches`) of the training loader, after two warm-up batches."""
+    data = build_dataset(cfg, train=True)
+    loader = accelerator.prepare(make_loader(data, cfg, batch, True, accelerator.device))
+    start_epoch(loader, 0, 0)
+    rate, seen = _timed(loader, batches)
+    accelerator.free_memory()
+    return rate, seen
+
+
+def _timed(loader, batches: int | None) -> tuple[float, int]:
+    """Samples per second over the loader's batches (or `batches` of them) after two warm-up batches, and how many."""
+    seen, started = 0, None
+    for number, (images, _) in enumerate(loader):
+        if number == 2:
+            started, seen = time.perf_counter(), 0
+        seen += len(images)
+        if batches is not None and number >= batches + 2:
+            break
+    return seen / (time.perf_counter() - started), seen
+
+
+def _webdataset_epoch(cfg, batch: int, workers: int, batches: int | None) -> tuple[float, int, int]:
+    """webdataset's loader over the same tars (read through the same fsspec client), with a shuffle buffer of one
+    shard's samples and the same transforms."""
+    import sys
+
+    import fsspec
+    import webdataset as wds
+
+    from accel_train.data.imagefolder import imagefolder_transform
+
+    store = open_store(cfg)
+    index = read_index(store, "train")
+    urls = [store.url(f"train/{shard.name}") for shard in index.shards]
+    gopen = sys.modules["webdataset.gopen"]
+    for scheme in {url.split("://", 1)[0] for url in urls if "://" in url}:  # webdataset's own extension point
+        gopen.gopen_schemes[scheme] = lambda url, mode="rb", bufsize=8192, **kw: fsspec.open(url, mode).open()
+    transform = imagefolder_transform(cfg, train=True, normalization=(tuple(index.mean), tuple(index.std)))
+    per_shard = max(1, index.samples // len(index.shards))
+    pipeline = (wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, empty_check=False)
+                .shuffle(per_shard).decode("pil").to_tuple("png", "cls")
+                .map_tuple(lambda image: transform(image.convert("RGB")), int).batched(batch, partial=False))
+    loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers)
+    rate, seen = _timed(loader, batches)
+    return rate, seen, index.bytes if batches is None else 0
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"# accel-train bench --shards: {result['recipe']} ({result['train_samples']:,} training images, "
+             f"{result['image_size']} px, batch {result['batch_size']}, {result['workers']} DataLoader workers)", "",
+             "| source | samples/s | bytes read from the store this epoch |", "|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['source']} | {row['samples_per_s']:,.0f} | {row['store_bytes'] / 1e6:,.1f} MB |")
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,239 @@
+"""Contracts of `accel-train shard` (data/shards/writer.py): a recipe's data written as shards at a folder or an s3://
+URL holds every sample of the source, pixel for pixel and label for label; a rerun into a complete destination says
+so and writes nothing; a write cut short is finished by running it again, into the bytes an uninterrupted write
+makes; another setting is refused in one line naming it; and `accel-train shard index` gives tars written by
+webdataset the index that trains them.
+
+Fashion-MNIST's first 256 training and 128 test images, in shards of about 50 kB (about 20 samples) and blocks of
+about 10 kB; the store is the `object_store` fixture (threads of this process), the commands run in this process."""
+
+import io
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from accel_train import cli
+from accel_train.config import DataConfig, load_config
+from accel_train.data import build_dataset
+from accel_train.data.shards.cache import BlockCache
+from accel_train.data.shards.dataset import ShardSamples, read_index
+from accel_train.data.shards.writer import write_shards
+from accel_train.data.torchvision_sets import SOURCES
+from accel_train.errors import UserError
+from accel_train.storage import Store, StoreUnavailable
+from support.locations import needs_fashion_mnist
+
+TRAIN, TEST = 256, 128
+SIZES = {"shard_mb": 0.05, "block_mb": 0.01}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """The recipe's data config (Fashion-MNIST unpacked in a folder of the module's, the first TRAIN and TEST images,
+    a store patience of 1 s) and its train and test splits as the recipe loads them (uint8 images, labels)."""
+    root = tmp_path_factory.mktemp("fashion_mnist")
+    cfg = load_config("fashion_mnist_cnn", [f"data.root={root}", f"data.train_subset={TRAIN}",
+                                            f"data.eval_subset={TEST}", "data.store_patience_s=1"]).data
+    return cfg, {split: build_dataset(cfg, train=split == "train") for split in ("train", "test")}
+
+
+def shard_command(cfg: DataConfig, output: str, **changes) -> list[str]:
+    """`accel-train shard fashion_mnist_cnn ... output=OUTPUT shard_mb= block_mb=` for `cfg`, with `changes`."""
+    sizes = {**SIZES, **{key: value for key, value in changes.items() if key in SIZES}}
+    data = {"root": cfg.root, "train_subset": cfg.train_subset, "eval_subset": cfg.eval_subset,
+            "store_patience_s": cfg.store_patience_s, **{key: value for key, value in changes.items()
+                                                         if key not in SIZES}}
+    return ["shard", "fashion_mnist_cnn", *(f"data.{key}={value}" for key, value in data.items()), f"output={output}",
+            *(f"{key}={value}" for key, value in sizes.items())]
+
+
+def written(output: str, split: str, cache) -> tuple[np.ndarray, np.ndarray]:
+    """The pixels and labels of every sample of a split of the shards at `output`, decoded from its tar members."""
+    store = Store(output)
+    samples = ShardSamples(read_index(store, split), split, BlockCache(store, cache, 10**9), None, None)
+    members = [samples.members(sample) for sample in range(len(samples))]
+    return (np.stack([np.asarray(Image.open(io.BytesIO(sample["png"]))) for sample in members]),
+            np.array([int(sample["cls"]) for sample in members]))
+
+
+def objects_under(object_store, prefix: str) -> dict[str, bytes]:
+    """Every object under s3://BUCKET/PREFIX/ by its name below the prefix, with its bytes."""
+    fs, root = object_store.fs(), f"{object_store.bucket}/{prefix}/"
+    return {path[len(root):]: fs.cat_file(path) for path in fs.find(root)}
+
+
+def puts(object_store, named: str = "") -> list[str]:
+    return [request.path for request in object_store.proxy.requests
+            if request.method == "PUT" and named in request.path]
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_shards_written_to_a_folder_or_to_s3_hold_every_train_and_test_sample_of_the_source_pixel_for_pixel(
+        where, source, tmp_path, request):
+    cfg, splits = source
+    output = request.getfixturevalue("object_store").url("fashion_mnist") if where == "s3" else str(tmp_path / "out")
+
+    write_shards(cfg, output, recipe="fashion_mnist_cnn", **SIZES)
+
+    for split, count in (("train", TRAIN), ("test", TEST)):
+        index = read_index(Store(output), split)
+        assert index.samples == count and len(index.shards) > 3
+        assert (index.num_classes, index.classes, index.channels, index.image_size, index.transforms, index.source,
+                index.mean, index.std) == (10, splits[split].classes, 1, 28, "in_memory", "fashion_mnist",
+                                           list(SOURCES["fashion_mnist"].mean), list(SOURCES["fashion_mnist"].std))
+        pixels, labels = written(output, split, tmp_path / "cache")
+        assert np.array_equal(pixels, splits[split].dataset.images[:, 0].numpy())
+        assert np.array_equal(labels, splits[split].dataset.labels.numpy())
+    # and data.name=shards serves them as the recipe's data
+    data = build_dataset(DataConfig(name="shards", root=output, cache_dir=str(tmp_path / "cache")), train=True)
+    assert (len(data.dataset), data.num_classes, data.image_shape) == (TRAIN, 10, (1, 28, 28))
+
+
+@needs_fashion_mnist
+def test_a_rerun_into_a_complete_destination_says_so_and_writes_nothing(source, object_store, capsys):
+    cfg, _ = source
+    url = object_store.url("fashion_mnist")
+    cli.main(shard_command(cfg, url))
+    capsys.readouterr()
+    object_store.proxy.reset_counts()
+
+    cli.main(shard_command(cfg, url))
+
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"shard: {url} already holds these shards complete (256 train, "
+                                                   "128 test samples in ") and lines[0].endswith("; nothing to do")
+    assert [request.method for request in object_store.proxy.requests if request.method not in ("GET", "HEAD")] == []
+
+
+@needs_fashion_mnist
+def test_a_write_cut_short_by_a_store_outage_is_finished_by_running_it_again_into_the_bytes_of_an_uninterrupted_one(
+        source, object_store, capsys):
+    cfg, _ = source
+    url = object_store.url("cut")
+    # The store stops answering the upload of the fourth training shard (and everything after it): the write stops
+    # after data.store_patience_s with three shards and their records in place.
+    object_store.proxy.inject("reset", times=10**6, match=lambda method, path: method == "PUT" and
+                              path.endswith("/cut/train/shard-000003.tar"))
+    with pytest.raises(StoreUnavailable, match=f"^cannot read {url}/train/shard-000003.tar: "):
+        write_shards(cfg, url, **SIZES)
+    object_store.proxy.clear_faults()
+    left = objects_under(object_store, "cut")
+    assert sorted(left) == ["shard-writing.json", *(f"train/.written/shard-00000{n}.tar.json" for n in range(3)),
+                            *(f"train/shard-00000{n}.tar" for n in range(3))]
+
+    # Run with other settings, it is refused in one line naming them; run again as it was, it is finished.
+    with pytest.raises(UserError, match=rf"^shard: {url} holds a write cut short of other settings \(train_subset "
+                                        r"256 then, 200 now\); run it again with those, or give another output="):
+        write_shards(load_config("fashion_mnist_cnn", [f"data.root={cfg.root}", "data.train_subset=200",
+                                                       f"data.eval_subset={TEST}"]).data, url, **SIZES)
+    capsys.readouterr()
+    object_store.proxy.reset_counts()
+    write_shards(cfg, url, **SIZES)
+
+    assert capsys.readouterr().out.splitlines()[0] == f"shard: finishing the write to {url} that was cut short"
+    uploaded = {path.rsplit("/", 1)[1] for path in puts(object_store, "/cut/train/shard-")}
+    assert "shard-000003.tar" in uploaded and not uploaded & {f"shard-00000{n}.tar" for n in range(3)}, \
+        "the shards written before the cut are not written again"
+    write_shards(cfg, object_store.url("whole"), **SIZES)
+    finished, whole = objects_under(object_store, "cut"), objects_under(object_store, "whole")
+    assert sorted(finished) == sorted(whole) and "train/index.json" in finished
+    assert not [name for name in finished if name.startswith("shard-writing") or "/.written/" in name]
+    assert finished == whole, [name for name in whole if finished.get(name) != whole[name]]
+
+
+@needs_fashion_mnist
+def test_another_setting_is_refused_in_one_line_naming_it_and_a_folder_of_other_tars_is_pointed_to_shard_index(
+        source, tmp_path, capsys):
+    cfg, _ = source
+    output = tmp_path / "out"
+    cli.main(shard_command(cfg, str(output)))
+    before = {path: path.read_bytes() for path in output.rglob("*") if path.is_file()}
+    capsys.readouterr()
+
+    for changes, named in (({"shard_mb": 0.1}, "shard_mb 0.05 then, 0.1 now"),
+                           ({"eval_subset": 64}, "eval_subset 128 then, 64 now")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(shard_command(cfg, str(output), **changes))
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"accel-train: error: shard: {output} already holds shards of other settings ({named}); give another "
+            "output= (or remove that one)"]
+    assert {path: path.read_bytes() for path in output.rglob("*") if path.is_file()} == before
+
+    (tmp_path / "tars" / "train").mkdir(parents=True)
+    (tmp_path / "tars" / "train" / "mine-000.tar").write_bytes(b"\0" * 1024)
+    with pytest.raises(SystemExit):
+        cli.main(shard_command(cfg, str(tmp_path / "tars")))
+    assert capsys.readouterr().err.splitlines() == [
+        f"accel-train: error: shard: {tmp_path / 'tars'}/train holds files but no index.json; for tars of your own, "
+        f"give them an index: accel-train shard index {tmp_path / 'tars'}; else choose another output="]
+
+
+def test_tars_written_by_webdataset_are_given_indexes_with_their_counts_and_classes_and_train_as_shards(
+        object_store, tmp_path, capsys):
+    rng = np.random.default_rng(0)
+
+    def tar(samples: list[tuple[str, int]]) -> bytes:  # 8x8 RGB PNGs of noise, each with its class
+        buffer = io.BytesIO()
+        with wds.TarWriter(buffer) as writer:
+            for key, label in samples:
+                image = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(image, format="PNG")
+                writer.write({"__key__": key, "png": image.getvalue(), "cls": label})
+        return buffer.getvalue()
+
+    # Classes 0, 2 and 4 (so 5 classes by index); class 4 only in the first training tar.
+    labels = {"train/part-000.tar": [0, 2, 4] * 10, "train/part-001.tar": [0, 2] * 12, "test/part-000.tar": [2] * 20}
+    fs = object_store.fs()
+    for name, classes in labels.items():
+        fs.pipe_file(f"{object_store.bucket}/mine/{name}",
+                     tar([(f"{name[:-4].replace('/', '-')}-{n:03d}", label) for n, label in enumerate(classes)]))
+    url = object_store.url("mine")
+
+    cli.main(["shard", "index", url])
+
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and said[0].startswith(f"shard index: {url}/train: 54 samples in 2 tars (")
+    assert said[1].startswith(f"shard index: {url}/test: 20 samples in 1 tars (")
+    for split, count in (("train", 54), ("test", 20)):
+        index = read_index(Store(url), split)
+        assert (index.samples, index.num_classes, index.channels, index.image_size, index.transforms) == \
+            (count, 5, 3, 8, "imagefolder")
+        assert [shard.name for shard in index.shards] == sorted(name.split("/")[1] for name in labels
+                                                                if name.startswith(split))
+    data = build_dataset(DataConfig(name="shards", root=url, cache_dir=str(tmp_path / "cache"), image_size=8),
+                         train=True)
+    assert (len(data.dataset), data.num_classes, data.image_shape) == (54, 5, (3, 8, 8))
+    inputs = [data.dataset[sample] for sample in range(54)]
+    assert all(tuple(image.shape) == (3, 8, 8) for image, _ in inputs)
+    assert [label for _, label in inputs] == labels["train/part-000.tar"] + labels["train/part-001.tar"]
+
+
+@needs_fashion_mnist
+def test_a_resume_that_changes_the_order_over_the_shards_is_refused_naming_the_key_and_data_num_workers_may_change(
+        source, tmp_path):
+    """data.shuffle_window_shards and data.streams shape each epoch's order, so a resumed epoch under others would
+    repeat some samples and skip others: refused in one line naming the key. The DataLoader workers only read what
+    the order asks for: another data.num_workers resumes."""
+    from support.commands import train_in_process
+    from support.runs import read_metrics
+
+    cfg, _ = source
+    output = tmp_path / "shards"
+    write_shards(cfg, str(output), **SIZES)
+    run = ["fashion_mnist_cnn", "data.name=shards", f"data.root={output}", f"data.cache_dir={tmp_path / 'cache'}",
+           "data.num_workers=0", "train.batch_size=32", "train.max_steps=3", "checkpoint.every_steps=3",
+           "train.plot=false", f"output_dir={tmp_path / 'run'}"]
+    train_in_process(*run)
+    for change, saved, now in (("data.shuffle_window_shards=4", 8, 4), ("data.streams=2", 1, 2)):
+        with pytest.raises(UserError) as refused:
+            train_in_process(*run, change, "train.max_steps=6", "resume=auto")
+        assert str(refused.value).startswith(
+            f"resume: {tmp_path / 'run'}/checkpoints/step-00000003 was trained with {change.split('=')[0]}={saved}, "
+            f"this run has {change.split('=')[0]}={now}: the order of the samples over the shards depends on it"), \
+            str(refused.value)
+    train_in_process(*run, "data.num_workers=1", "train.max_steps=6", "resume=auto")
+    assert [line["step"] for line in read_metrics(tmp_path / "run", "train")][-1] == 6
