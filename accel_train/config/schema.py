@@ -262,6 +262,11 @@ def spelled_mapping(mapping: dict) -> str:
 
 def check_values(config: Config) -> None:
     """Every key within its ranges, then the rules that tie keys together; the first broken one, in one line."""
+    if "://" in config.output_dir:  # as a path it would be a local folder named "s3:" (or "file:")
+        raise UserError(f"output_dir={config.output_dir}: a run folder is a local path for now (on many machines, one "
+                        "they all mount); a URL would become a local folder named "
+                        f"'{config.output_dir.split('://')[0]}:'. Training data can be at a URL: data.name=shards "
+                        "data.root=URL")
     for section in SECTIONS:
         node = getattr(config, section)
         for spec in dataclasses.fields(node):
