@@ -122,6 +122,22 @@ def test_a_second_epoch_reads_no_byte_from_the_store_once_the_cache_holds_the_se
     assert read_by_the_end == read_by_then, "the second epoch or its evaluation read from the store"
 
 
+def test_a_run_that_ended_leaves_no_prefetch_thread_behind_in_the_process_that_trained_it(store, clean_run):
+    """A script that trains several runs (the Python API) keeps no idle thread, nor the read plan, of those before:
+    the prefetch threads end within a second or two of their run's loader."""
+    import gc
+    import threading
+
+    deadline = time.monotonic() + 5
+    while True:
+        gc.collect()
+        left = [thread.name for thread in threading.enumerate() if thread.name.startswith("accel-train shard")]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"{len(left)} prefetch threads outlived their run: {left}"
+
+
 def test_two_processes_of_one_node_and_their_workers_download_each_block_once(store, tmp_path):
     """One cache for the node, a lock per block: every process and DataLoader worker that needs a block waits for
     the one download under way. Each shard is read exactly once over 2 epochs (the bytes of all its blocks)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 
 import numpy as np
 from torch.utils.data import Subset
@@ -80,34 +81,64 @@ class Prefetcher:
         DataLoader's workers are forked by then, not while these threads hold a lock."""
         if not self._started:
             self._started = True
+            # The threads hold the prefetcher weakly and end once it is gone: a script that trains several runs
+            # (the Python API) keeps no idle threads, nor the blocks' plan, of the runs before.
+            this, jobs = weakref.ref(self), self._jobs
             for _ in range(FETCHING_THREADS):
-                threading.Thread(target=self._fetching, daemon=True, name="accel-train shard fetch").start()
-            threading.Thread(target=self._planning, daemon=True, name="accel-train shard prefetch").start()
+                threading.Thread(target=_fetching, args=(this, jobs), daemon=True,
+                                 name="accel-train shard fetch").start()
+            threading.Thread(target=_planning, args=(this, jobs), daemon=True,
+                             name="accel-train shard prefetch").start()
         with self._wake:
             self._step = step
             self._wake.notify_all()
 
-    def _planning(self) -> None:
-        while True:
-            with self._wake:
-                blocks, steps = self._plan
-                current = int(np.searchsorted(steps, self._step))  # blocks first used before now: fetched on demand
-                self._next = max(self._next, current)
-                ahead = self.block_bytes[blocks[current:self._next]].sum() if self._next > current else 0
-                if self._next >= len(blocks) or ahead >= self.ahead_bytes:
-                    self._wake.wait(timeout=1.0)
-                    continue
-                job = self._generation, int(blocks[self._next])
-                self._next += 1
-            self._jobs.put(job)
+    def _next_job(self) -> tuple[int, int] | None:
+        """The next block to fetch (its generation, its number), or None after a second with nothing to do."""
+        with self._wake:
+            blocks, steps = self._plan
+            current = int(np.searchsorted(steps, self._step))  # blocks first used before now: fetched on demand
+            self._next = max(self._next, current)
+            ahead = self.block_bytes[blocks[current:self._next]].sum() if self._next > current else 0
+            if self._next >= len(blocks) or ahead >= self.ahead_bytes:
+                self._wake.wait(timeout=1.0)
+                return None
+            job = self._generation, int(blocks[self._next])
+            self._next += 1
+            return job
 
-    def _fetching(self) -> None:
-        while True:
-            generation, block = self._jobs.get()
-            if generation != self._generation:
-                continue  # planned for an epoch the loader has left
-            shard, number = self.blocks[block]
-            try:
-                self.cache.fetch(self.shards[shard], self.split, number)
-            except Exception:  # noqa: BLE001  the reader that needs this block meets the error and reports it
-                pass
+    def _fetch(self, generation: int, block: int) -> None:
+        if generation != self._generation:
+            return  # planned for an epoch the loader has left
+        shard, number = self.blocks[block]
+        try:
+            self.cache.fetch(self.shards[shard], self.split, number)
+        except Exception:  # noqa: BLE001  the reader that needs this block meets the error and reports it
+            pass
+
+
+def _planning(prefetcher: weakref.ref, jobs: queue.Queue) -> None:
+    while (alive := prefetcher()) is not None:
+        job = alive._next_job()
+        del alive  # not held while waiting for room in the queue
+        if job is not None:
+            while prefetcher() is not None:
+                try:
+                    jobs.put(job, timeout=1.0)
+                    break
+                except queue.Full:
+                    continue
+
+
+def _fetching(prefetcher: weakref.ref, jobs: queue.Queue) -> None:
+    while True:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            job = None
+        alive = prefetcher()
+        if alive is None:
+            return
+        if job is not None:
+            alive._fetch(*job)
+        del alive
