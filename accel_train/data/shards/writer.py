@@ -243,7 +243,8 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
         shards.append(shard)
         pending, pending_bytes = [], 0
 
-    with tqdm(total=source.count, initial=first, desc=f"shard {source.split}", unit="samples") as bar:
+    # disable=None: no bar when stderr is not a terminal (a log file would get every redraw); the summary stays
+    with tqdm(total=source.count, initial=first, desc=f"shard {source.split}", unit="samples", disable=None) as bar:
         for index in range(first, source.count):
             members = source.members(index)
             if source.record["transforms"] != "as_written":
@@ -282,7 +283,7 @@ def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
         if not names:
             continue
         shards, labels, sizes, kinds = [], [], set(), set()
-        for name in tqdm(names, desc=f"index {split}", unit="shards"):
+        for name in tqdm(names, desc=f"index {split}", unit="shards", disable=None):
             data = store.read(f"{split}/{name}")
             shard, shard_labels = index_tar(name, data, int(block_mb * 2**20))
             shards.append(shard)
