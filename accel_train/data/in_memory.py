@@ -97,9 +97,13 @@ class PerSampleImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int):
-        pixels = self.images[index].permute(1, 2, 0).numpy()
-        image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
-        return self.transform(image), self.labels[index]
+        return self.transform(pil_image(self.images[index])), self.labels[index]
+
+
+def pil_image(pixels: torch.Tensor) -> Image.Image:
+    """A uint8 image tensor (channels, height, width; 1 or 3 channels) as a PIL image: grey ("L") or RGB."""
+    array = pixels.permute(1, 2, 0).numpy()
+    return Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
 
 
 def per_sample_transform(side: int, mean, std, augment: bool, size: int | None, trivial_augment: bool = False,

@@ -20,6 +20,7 @@ from pathlib import Path
 from accel_train.config import Config, load_config
 from accel_train.console import say
 from accel_train.data import build_dataset, make_loader, start_epoch
+from accel_train.data.in_memory import pil_image
 from accel_train.data.shards.dataset import open_store, read_index
 from accel_train.data.shards.writer import write_shards
 from accel_train.distributed.accelerator import make_accelerator
@@ -74,8 +75,6 @@ def run_shards_bench(recipe: str, overrides: list[str], url: str, batches: int |
 
 def _write_tree(config: Config, tree: Path) -> None:
     """The recipe's train and test images as PNG files in class folders (once: kept for the next bench)."""
-    from PIL import Image
-
     if (tree / "complete").exists():
         return
     shutil.rmtree(tree, ignore_errors=True)
@@ -85,8 +84,7 @@ def _write_tree(config: Config, tree: Path) -> None:
         for index in range(len(labels)):
             folder = tree / split / data.classes[int(labels[index])].replace("/", "_")
             folder.mkdir(parents=True, exist_ok=True)
-            pixels = images[index].permute(1, 2, 0).numpy()
-            Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(folder / f"{index:06d}.png")
+            pil_image(images[index]).save(folder / f"{index:06d}.png")
     (tree / "complete").write_text("")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -122,12 +121,3 @@ class BlockCache:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-
-def wait_for(predicate, timeout_s: float, step_s: float = 0.05) -> bool:
-    """Poll `predicate` until it holds or `timeout_s` passes (for the prefetcher's threads)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()

@@ -24,7 +24,7 @@ from torch.utils.data import Subset
 from accel_train.config import DataConfig
 from accel_train.console import say
 from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, own_validation_folder
-from accel_train.data.in_memory import InMemoryImages
+from accel_train.data.in_memory import InMemoryImages, pil_image
 from accel_train.data.registry import given_normalization
 from accel_train.data.shards.format import (
     BLOCK_BYTES,
@@ -56,9 +56,9 @@ class SourceSplit:
     record: dict  # SplitIndex fields: classes, num_classes, channels, image_size, mean, std, transforms, source
 
 
-def _png(pixels: np.ndarray) -> bytes:
+def _png(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -81,8 +81,7 @@ def _in_memory(cfg: DataConfig, data, split: str) -> SourceSplit:
     mean, std = given_normalization(cfg, channels) or (source.mean, source.std)
 
     def members(index: int) -> dict[str, bytes]:
-        pixels = images[index].permute(1, 2, 0).numpy()
-        return {"png": _png(pixels[..., 0] if channels == 1 else pixels), "cls": str(int(labels[index])).encode()}
+        return {"png": _png(pil_image(images[index])), "cls": str(int(labels[index])).encode()}
     return SourceSplit(split, len(labels), members, dict(classes=data.classes, num_classes=data.num_classes,
                                                          channels=channels, image_size=side, mean=list(mean),
                                                          std=list(std), transforms="in_memory", source=cfg.name))
@@ -118,10 +117,9 @@ def _as_written(cfg: DataConfig, data, split: str) -> SourceSplit:
         sample = dataset[index]
         inputs, label = (sample[0], sample[1]) if isinstance(sample, (tuple, list)) else (sample, None)
         if isinstance(inputs, Image.Image):
-            found = {"png": _png(np.asarray(inputs))}
+            found = {"png": _png(Image.fromarray(np.asarray(inputs)))}  # its pixels as they are (a palette's indices)
         elif _is_image_tensor(inputs):
-            pixels = inputs.permute(1, 2, 0).numpy()
-            found = {"png": _png(pixels[..., 0] if inputs.shape[0] == 1 else pixels)}
+            found = {"png": _png(pil_image(inputs))}
         else:
             buffer = io.BytesIO()
             np.save(buffer, np.asarray(inputs), allow_pickle=False)
