@@ -173,18 +173,25 @@ def _warn_of_a_cache_below_a_window(cfg: DataConfig, index: SplitIndex) -> None:
             error=True)
 
 
-def shard_layout(dataset) -> tuple[np.ndarray, int] | None:
-    """(the shard number of each of the dataset's indices, the shard count) when `dataset` is shards (in Subsets),
-    else None."""
+def under_subsets(dataset) -> tuple[Dataset, np.ndarray | None]:
+    """The dataset under `dataset`'s Subsets (data.train_subset), and the id there of each of its indices (None: the
+    identity)."""
     indices = None
     while isinstance(dataset, Subset):
         inner = np.asarray(dataset.indices)
         indices = inner if indices is None else inner[indices]
         dataset = dataset.dataset
-    if not isinstance(dataset, ShardSamples):
+    return dataset, indices
+
+
+def shard_layout(dataset) -> tuple[np.ndarray, int] | None:
+    """(the shard number of each of the dataset's indices, the shard count) when `dataset` is shards (in Subsets),
+    else None."""
+    base, indices = under_subsets(dataset)
+    if not isinstance(base, ShardSamples):
         return None
-    shard_of = dataset.shard_of()
-    return (shard_of if indices is None else shard_of[indices]), len(dataset.index.shards)
+    shard_of = base.shard_of()
+    return (shard_of if indices is None else shard_of[indices]), len(base.index.shards)
 
 
 def validation_split(cfg: DataConfig) -> Data | None:

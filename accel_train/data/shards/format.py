@@ -49,8 +49,10 @@ class Shard:
         end = self.offsets[position + 1] if position + 1 < len(self.offsets) else self.end
         return self.offsets[position], end
 
-    def block_of(self, position: int) -> int:
-        return int(np.searchsorted(self._block_starts, position, side="right")) - 1
+    def block_of(self, position):
+        """The block holding the sample at `position` (or, for an array of positions, each one's)."""
+        found = np.searchsorted(self._block_starts, position, side="right") - 1
+        return int(found) if np.ndim(found) == 0 else found
 
     def block_span(self, block: int) -> tuple[int, int]:
         """The bytes [start, end) of a block."""

@@ -9,22 +9,11 @@ import threading
 import weakref
 
 import numpy as np
-from torch.utils.data import Subset
 
-from accel_train.data.shards.dataset import ShardSamples
+from accel_train.data.shards.dataset import under_subsets
 from accel_train.data.shards.plan import process_positions
 
 FETCHING_THREADS = 4  # parallel range reads: one stream of an object store rarely fills a node's bandwidth
-
-
-def _base_of(dataset) -> tuple[ShardSamples, np.ndarray | None]:
-    """The shards under `dataset`'s Subsets, and the sample id of each of its indices (None: the identity)."""
-    indices = None
-    while isinstance(dataset, Subset):
-        inner = np.asarray(dataset.indices)
-        indices = inner if indices is None else inner[indices]
-        dataset = dataset.dataset
-    return dataset, indices
 
 
 def process_slice(loader) -> tuple[int, int, int]:
@@ -43,13 +32,11 @@ class Prefetcher:
     """Keeps up to `ahead_bytes` of the blocks this process will read next in the node's cache."""
 
     def __init__(self, dataset, ahead_bytes: int) -> None:
-        base, indices = _base_of(dataset)
+        base, indices = under_subsets(dataset)  # the shards (ShardSamples) under data.train_subset's Subset
         self.cache, self.split, self.shards = base.cache, base.split, base.index.shards
         sample_block, self.blocks = [], []  # each sample's block number (over all shards); each block's (shard, block)
         for number, shard in enumerate(self.shards):
-            positions = np.arange(shard.samples)
-            firsts = np.array([first for first, _ in shard.blocks])
-            sample_block.append(len(self.blocks) + np.searchsorted(firsts, positions, side="right") - 1)
+            sample_block.append(len(self.blocks) + shard.block_of(np.arange(shard.samples)))
             self.blocks.extend((number, block) for block in range(len(shard.blocks)))
         block_of_sample = np.concatenate(sample_block)
         self.block_of_index = block_of_sample if indices is None else block_of_sample[indices]
