@@ -151,15 +151,19 @@ def shards(cfg: DataConfig, train: bool) -> Data:
     """The train (or the test, else val) split of the shards at data.root."""
     store = open_store(cfg)
     split, index = ("train", read_index(store, "train")) if train else eval_split(store)
-    dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
     if train:
         _warn_of_a_cache_below_a_window(cfg, index)
-    limit = cfg.train_subset if train else cfg.eval_subset
-    if limit is not None:
-        dataset = Subset(dataset, range(min(limit, len(dataset))))
+    dataset = _split_samples(cfg, store, split, index, train)
     first = dataset[0] if index.transforms == "as_written" else None
     shape = tuple(first[0].shape) if first is not None else input_shape(cfg, index)
     return Data(dataset, cfg.num_classes or index.num_classes, shape, index.classes, first)
+
+
+def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
+    """A split's samples as the model reads them: transformed, limited by data.train_subset / data.eval_subset."""
+    dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
+    limit = cfg.train_subset if train else cfg.eval_subset
+    return dataset if limit is None else Subset(dataset, range(min(limit, len(dataset))))
 
 
 def _warn_of_a_cache_below_a_window(cfg: DataConfig, index: SplitIndex) -> None:
@@ -202,10 +206,8 @@ def validation_split(cfg: DataConfig) -> Data | None:
     index = read_index(store, "val", required=False)
     if index is None:
         return None
-    dataset = ShardSamples(index, "val", block_cache(cfg, store), transform_of(cfg, index, False), image_mode(index))
-    if cfg.eval_subset is not None:
-        dataset = Subset(dataset, range(min(cfg.eval_subset, len(dataset))))
-    return Data(dataset, cfg.num_classes or index.num_classes, input_shape(cfg, index), index.classes)
+    return Data(_split_samples(cfg, store, "val", index, train=False), cfg.num_classes or index.num_classes,
+                input_shape(cfg, index), index.classes)
 
 
 def image_converter(cfg: DataConfig):

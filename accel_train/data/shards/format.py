@@ -41,6 +41,11 @@ class Shard:
     end: int  # where the last sample's bytes end (the end-of-archive blocks follow)
     blocks: list[tuple[int, str]]  # (first sample, sha256 of the block's bytes)
 
+    @classmethod
+    def from_dict(cls, entry: dict) -> Shard:
+        """A shard's entry as JSON gives it back (its blocks as lists)."""
+        return cls(**{**entry, "blocks": [tuple(block) for block in entry["blocks"]]})
+
     @property
     def samples(self) -> int:
         return len(self.offsets)
@@ -108,9 +113,16 @@ class SplitIndex:
         body = json.loads(data)
         if body.get("format") != FORMAT:
             raise ValueError(f"format {body.get('format')!r}, not {FORMAT!r}")
-        shards = [Shard(**{**shard, "blocks": [tuple(block) for block in shard["blocks"]]})
-                  for shard in body.pop("shards")]
+        shards = [Shard.from_dict(shard) for shard in body.pop("shards")]
         return cls(**body, shards=shards, hash=hashlib.sha256(data).hexdigest())
+
+
+def square_side(sizes: set[tuple[int, int]]) -> int | None:
+    """The side of images whose (width, height) `sizes` are all one square, else None."""
+    if len(sizes) != 1:
+        return None
+    width, height = next(iter(sizes))
+    return width if width == height else None
 
 
 def split_key(name: str) -> tuple[str, str] | None:

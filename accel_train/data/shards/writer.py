@@ -34,7 +34,8 @@ from accel_train.data.shards.format import (
     Shard,
     SplitIndex,
     index_tar,
-    split_key,
+    sample_members,
+    square_side,
     tar_of,
 )
 from accel_train.data.torchvision_sets import SOURCES
@@ -226,8 +227,7 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
     from tqdm.auto import tqdm
 
     done = sorted(name for name in store.names(f"{source.split}/{WRITTEN}") if name.endswith(".json"))
-    shards = [Shard(**{**entry, "blocks": [tuple(block) for block in entry["blocks"]]})
-              for entry in (json.loads(store.read(f"{source.split}/{WRITTEN}/{name}")) for name in done)]
+    shards = [Shard.from_dict(json.loads(store.read(f"{source.split}/{WRITTEN}/{name}"))) for name in done]
     first = sum(shard.samples for shard in shards)
     sizes, pending, pending_bytes = set(), [], 0
 
@@ -256,8 +256,8 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
         if pending:
             flush()
     record = dict(source.record)
-    if record["image_size"] is None and len(sizes) == 1 and len({*next(iter(sizes))}) == 1:
-        record["image_size"] = next(iter(sizes))[0]
+    if record["image_size"] is None:
+        record["image_size"] = square_side(sizes)
     index = SplitIndex(source.split, shards, block_bytes=block_bytes, settings=settings, **record)
     store.write(f"{source.split}/{INDEX_FILE}", index.to_json())
     for name in done + [f"{shard.name}.json" for shard in shards[len(done):]]:
@@ -288,17 +288,14 @@ def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
             labels += shard_labels
             for position in range(shard.samples):
                 start, end = shard.sample_span(position)
-                with tarfile.open(fileobj=io.BytesIO(data[start:end]), mode="r:") as tar:
-                    for member in tar:
-                        parts = split_key(member.name)
-                        if parts and parts[1] in IMAGE_EXTENSIONS:
-                            image = Image.open(tar.extractfile(member))
-                            sizes.add(image.size)
-                            kinds.add(image.mode)
+                for extension, payload in sample_members(data[start:end]).items():
+                    if extension in IMAGE_EXTENSIONS:
+                        image = Image.open(io.BytesIO(payload))
+                        sizes.add(image.size)
+                        kinds.add(image.mode)
         known += [label for label in labels if isinstance(label, int)]
-        side = next(iter(sizes))[0] if len(sizes) == 1 and len({*next(iter(sizes))}) == 1 else None
         indexes.append(SplitIndex(split, shards, classes=None, num_classes=None, channels=1 if kinds == {"L"} else 3,
-                                  image_size=side, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
+                                  image_size=square_side(sizes), mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
                                   transforms="imagefolder" if sizes else "as_written", source="tars",
                                   block_bytes=int(block_mb * 2**20), settings={"indexed": names}))
     for index in indexes:  # one count of classes for every split (a test split may lack the last classes)
