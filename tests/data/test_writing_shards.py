@@ -237,3 +237,28 @@ def test_a_resume_that_changes_the_order_over_the_shards_is_refused_naming_the_k
             str(refused.value)
     train_in_process(*run, "data.num_workers=1", "train.max_steps=6", "resume=auto")
     assert [line["step"] for line in read_metrics(tmp_path / "run", "train")][-1] == 6
+
+
+def test_shards_of_an_imagefolder_tree_with_val_beside_test_give_the_run_its_val_split(tmp_path):
+    """As an ImageFolder tree's own val/ folder beside test/ is its validation split, so is the val split of the
+    shards written from it: its samples (data.eval_subset of them), not the test split's."""
+    from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+    from accel_train.data.validation import hold_out_validation
+
+    tree = tmp_path / "tree"
+    for split, shade, count in (("train", 0, 6), ("test", 100, 3), ("val", 200, 2)):
+        for name in ("cat", "dog"):
+            (tree / split / name).mkdir(parents=True)
+            for number in range(count):
+                image = Image.fromarray(np.full((8, 8, 3), shade + number, np.uint8))
+                image.save(tree / split / name / f"{number}.png")
+    write_shards(load_config("imagefolder", [f"data.root={tree}"]).data, str(tmp_path / "shards"), shard_mb=0.001)
+    cfg = DataConfig(name="shards", root=str(tmp_path / "shards"), cache_dir=str(tmp_path / "cache"), image_size=8,
+                     eval_subset=3)
+
+    _, validation = hold_out_validation(cfg, 0, build_dataset(cfg, train=True), None)
+
+    assert (len(validation.dataset), validation.classes, validation.image_shape) == (3, ["cat", "dog"], (3, 8, 8))
+    shades = [round(float(image[0, 4, 4]) * IMAGENET_STD[0] * 255 + IMAGENET_MEAN[0] * 255)
+              for image, _ in (validation.dataset[index] for index in range(3))]
+    assert shades == [200, 201, 200], "not the val split's images"
