@@ -253,6 +253,8 @@ class Config:
 
 
 SECTIONS = ("data", "model", "train", "checkpoint", "predict")
+# The data keys an epoch's order over shards depends on: refused with other datasets, and on a resume that changes them
+SHARD_ORDER_KEYS = ("streams", "shuffle_window_shards")
 
 
 def spelled_mapping(mapping: dict) -> str:
@@ -280,7 +282,7 @@ def check_values(config: Config) -> None:
     if config.data.image_transform and not is_import_path(config.data.name):
         raise UserError(f"data.image_transform={config.data.image_transform}: it serves a dataset given by import path "
                         f"(module:Attr); data.name={config.data.name} turns image files into inputs itself: remove it")
-    ordering = [f"data.{key}" for key in ("streams", "shuffle_window_shards")
+    ordering = [f"data.{key}" for key in SHARD_ORDER_KEYS
                 if getattr(config.data, key) != fields_of(DataConfig)[key].default]
     if ordering and config.data.name != "shards":
         raise UserError(f"{' and '.join(ordering)} order data.name=shards; data.name={config.data.name} is ordered by "

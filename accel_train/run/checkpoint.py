@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from accel_train import hooks
-from accel_train.config import DataConfig, refuse_contradictions, spelled
+from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
 from accel_train.console import say, warn
 from accel_train.distributed.collectives import any_process, first_message
 from accel_train.errors import UserError, writing
@@ -321,7 +321,7 @@ def _refuse_what_cannot_continue(folder: Path, meta: dict, config: Config, accel
                         f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
     if config.data.name == "shards":  # the order over shards is a function of these too: a resumed epoch must see it
         saved_data = meta["config"].get("data") or {}
-        for key in ("streams", "shuffle_window_shards"):
+        for key in SHARD_ORDER_KEYS:
             saved, now = saved_data.get(key, getattr(DataConfig(), key)), getattr(config.data, key)
             if saved != now:
                 raise UserError(f"resume: {folder} was trained with data.{key}={saved}, this run has data.{key}={now}: "
