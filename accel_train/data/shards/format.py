@@ -125,6 +125,11 @@ def square_side(sizes: set[tuple[int, int]]) -> int | None:
     return width if width == height else None
 
 
+def padded(size: int) -> int:
+    """The bytes a member's contents of `size` take in a tar: whole 512-byte blocks."""
+    return -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
 def split_key(name: str) -> tuple[str, str] | None:
     """(key, extension) of a tar member the way webdataset groups them, or None for a name without an extension."""
     found = _KEY_AND_EXTENSION.match(name)
@@ -161,7 +166,7 @@ def index_tar(name: str, data: bytes, block_bytes: int = BLOCK_BYTES) -> tuple[S
                 labels.append(None)
             if parts[1] in ("cls", "json"):
                 labels[-1] = label_of(parts[1], data[member.offset_data:member.offset_data + member.size])
-            end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            end = member.offset_data + padded(member.size)
     firsts = []  # each block's first sample: a block closes once it holds block_bytes
     for position, offset in enumerate(offsets):
         if not firsts or offset - offsets[firsts[-1]] >= block_bytes:
@@ -202,7 +207,7 @@ def sample_members(blob: bytes) -> dict[str, bytes]:
         parts = split_key(f"{prefix}/{name}" if prefix else name)
         if parts is not None:
             members[parts[1]] = bytes(view[start:start + size])
-        offset = start + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        offset = start + padded(size)
     return members
 
 

@@ -34,6 +34,7 @@ from accel_train.data.shards.format import (
     Shard,
     SplitIndex,
     index_tar,
+    padded,
     sample_members,
     square_side,
     tar_of,
@@ -158,7 +159,7 @@ def source_splits(cfg: DataConfig) -> list[SourceSplit]:
 
 
 def _tar_size(members: dict[str, bytes]) -> int:
-    return sum(tarfile.BLOCKSIZE + -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE for data in members.values())
+    return sum(tarfile.BLOCKSIZE + padded(len(data)) for data in members.values())  # a header and the contents
 
 
 def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block_mb: float = BLOCK_BYTES / 2**20,
