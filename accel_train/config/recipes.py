@@ -34,7 +34,7 @@ def load_config(recipe: str | Config, overrides: list[str] = ()) -> Config:
         config = build(Config, _read_recipe(recipe), prefix="")
         config.recipe = recipe
     given = apply_overrides(config, overrides)
-    check_values(config)
+    check_values(config, given)
     _resolve_lr(config.train, lr_given="train.lr" in given)
     return config
 

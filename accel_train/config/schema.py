@@ -262,8 +262,9 @@ def spelled_mapping(mapping: dict) -> str:
     return "{" + ", ".join(f"{name}: {value}" for name, value in mapping.items()) + "}"
 
 
-def check_values(config: Config) -> None:
-    """Every key within its ranges, then the rules that tie keys together; the first broken one, in one line."""
+def check_values(config: Config, given: set[str] | frozenset[str] = frozenset()) -> None:
+    """Every key within its ranges, then the rules that tie keys together; the first broken one, in one line.
+    `given`: the keys overrides set on the recipe."""
     if "://" in config.output_dir:  # as a path it would be a local folder named "s3:" (or "file:")
         raise UserError(f"output_dir={config.output_dir}: a run folder is a local path for now (on many machines, one "
                         "they all mount); a URL would become a local folder named "
@@ -282,8 +283,11 @@ def check_values(config: Config) -> None:
     if config.data.image_transform and not is_import_path(config.data.name):
         raise UserError(f"data.image_transform={config.data.image_transform}: it serves a dataset given by import path "
                         f"(module:Attr); data.name={config.data.name} turns image files into inputs itself: remove it")
+    # A run trained from shards, evaluated on their source (eval RUN data.name=imagefolder ...), keeps its recorded
+    # order keys: only an override, or a recipe that sets them beside another dataset, sets them in vain.
     ordering = [f"data.{key}" for key in SHARD_ORDER_KEYS
-                if getattr(config.data, key) != fields_of(DataConfig)[key].default]
+                if getattr(config.data, key) != fields_of(DataConfig)[key].default
+                and (f"data.{key}" in given or "data.name" not in given)]
     if ordering and config.data.name != "shards":
         raise UserError(f"{' and '.join(ordering)} order data.name=shards; data.name={config.data.name} is ordered by "
                         "Accelerate's seedable sampler, so they would be ignored: remove them")

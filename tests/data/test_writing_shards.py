@@ -239,19 +239,44 @@ def test_a_resume_that_changes_the_order_over_the_shards_is_refused_naming_the_k
     assert [line["step"] for line in read_metrics(tmp_path / "run", "train")][-1] == 6
 
 
+def image_tree(root, counts: dict[str, int], shades: dict[str, int]):
+    """An ImageFolder tree of 8x8 one-shade RGB PNGs: `counts[split]` per class (cat, dog), shade shades[split] + i."""
+    for split, count in counts.items():
+        for name in ("cat", "dog"):
+            (root / split / name).mkdir(parents=True)
+            for number in range(count):
+                image = Image.fromarray(np.full((8, 8, 3), shades[split] + number, np.uint8))
+                image.save(root / split / name / f"{number}.png")
+    return root
+
+
+def test_a_run_trained_with_its_own_order_over_shards_evaluates_on_their_source_tree(tmp_path):
+    """eval RUN data.name=imagefolder data.root=TREE of a run trained from shards of TREE with another
+    data.shuffle_window_shards: the order keys its config.yaml records do not refuse the source (they were refused
+    as "set beside another dataset"); the metrics are those of the shards' evaluation."""
+    from accel_train import api
+    from support.commands import train_in_process
+
+    tree = image_tree(tmp_path / "tree", {"train": 8, "test": 4}, {"train": 0, "test": 100})
+    write_shards(load_config("imagefolder", [f"data.root={tree}"]).data, str(tmp_path / "shards"), shard_mb=0.001)
+    run = tmp_path / "run"
+    train_in_process("imagefolder", "data.name=shards", f"data.root={tmp_path / 'shards'}", "data.image_size=8",
+                     "data.shuffle_window_shards=2", "data.num_workers=0", f"data.cache_dir={tmp_path / 'cache'}",
+                     "model.name=mnist_cnn", "train.batch_size=4", "train.epochs=1", "train.plot=false",
+                     f"output_dir={run}")
+
+    from_tree = api.evaluate(str(run), overrides=["data.name=imagefolder", f"data.root={tree}"])
+
+    assert from_tree["num_samples"] == 8 and from_tree == api.evaluate(str(run))
+
+
 def test_shards_of_an_imagefolder_tree_with_val_beside_test_give_the_run_its_val_split(tmp_path):
     """As an ImageFolder tree's own val/ folder beside test/ is its validation split, so is the val split of the
     shards written from it: its samples (data.eval_subset of them), not the test split's."""
     from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
     from accel_train.data.validation import hold_out_validation
 
-    tree = tmp_path / "tree"
-    for split, shade, count in (("train", 0, 6), ("test", 100, 3), ("val", 200, 2)):
-        for name in ("cat", "dog"):
-            (tree / split / name).mkdir(parents=True)
-            for number in range(count):
-                image = Image.fromarray(np.full((8, 8, 3), shade + number, np.uint8))
-                image.save(tree / split / name / f"{number}.png")
+    tree = image_tree(tmp_path / "tree", {"train": 6, "test": 3, "val": 2}, {"train": 0, "test": 100, "val": 200})
     write_shards(load_config("imagefolder", [f"data.root={tree}"]).data, str(tmp_path / "shards"), shard_mb=0.001)
     cfg = DataConfig(name="shards", root=str(tmp_path / "shards"), cache_dir=str(tmp_path / "cache"), image_size=8,
                      eval_subset=3)
