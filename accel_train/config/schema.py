@@ -291,6 +291,12 @@ def check_values(config: Config, given: set[str] | frozenset[str] = frozenset())
     if ordering and config.data.name != "shards":
         raise UserError(f"{' and '.join(ordering)} order data.name=shards; data.name={config.data.name} is ordered by "
                         "Accelerate's seedable sampler, so they would be ignored: remove them")
+    caching = [f"data.{key}" for key in ("cache_dir", "cache_gb")
+               if getattr(config.data, key) != fields_of(DataConfig)[key].default
+               and (f"data.{key}" in given or "data.name" not in given)]
+    if caching and config.data.name != "shards":
+        raise UserError(f"{' and '.join(caching)}: the block cache of data.name=shards; data.name={config.data.name} "
+                        "reads no shards, so they would be ignored: remove them")
     if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
         raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
                         "eval metric it watches, e.g. train.early_stop_metric=accuracy")

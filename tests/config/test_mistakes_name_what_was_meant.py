@@ -29,8 +29,10 @@ from accel_train.cli import main
      ["checkpoint.best_metric=kl_loss", "it reports loss, reconstruction_loss, kl"]),
     (["launch", "--num_machines", "0", "--num_processes", "2", "-m", "accel_train", "train", "mnist_cnn"],
      ["--num_machines 0: the number of machines, 1 or more"]),
+    (["train", "fashion_mnist_cnn", "data.cache_gb=5"],
+     ["data.cache_gb: the block cache of data.name=shards", "data.name=fashion_mnist reads no shards", "ignored"]),
 ], ids=["key", "command", "dashed override", "missing recipe file", "model.args", "data.args", "image_transform",
-        "best_metric", "early_stop_metric", "a task's own metrics", "num_machines 0"])
+        "best_metric", "early_stop_metric", "a task's own metrics", "num_machines 0", "cache beside other data"])
 def test_a_mistake_is_one_line_exit_2_naming_what_was_probably_meant(argv, words, tmp_path, capsys):
     argv = [*argv, f"output_dir={tmp_path / 'run'}"] if argv[0] == "train" else argv
     with pytest.raises(SystemExit) as stop:
