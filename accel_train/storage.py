@@ -100,6 +100,13 @@ def _is_transient(err: BaseException) -> bool:
                                                                              "requests", "fsspec")
 
 
+def _unknown_bucket(err: BaseException) -> bool:
+    """A missing bucket, not a missing object: the store's own NoSuchBucket (s3fs keeps it as the cause), or its
+    message. Not the word "bucket" anywhere: a missing object's error is its path, which may hold it."""
+    return isinstance(err, FileNotFoundError) and (type(err.__cause__).__name__ == "NoSuchBucket"
+                                                   or "specified bucket does not exist" in str(err).lower())
+
+
 def _access_problem(err: BaseException, url: str) -> UserError | None:
     """The one line for what no retry fixes: credentials, permission, an unknown bucket."""
     name = type(err).__name__
@@ -110,7 +117,7 @@ def _access_problem(err: BaseException, url: str) -> UserError | None:
     if isinstance(err, PermissionError):
         return UserError(f"{url}: access denied ({err}); check the credentials in the storage's environment "
                          "(AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) and the bucket's permissions")
-    if isinstance(err, FileNotFoundError) and "bucket" in str(err).lower():
+    if _unknown_bucket(err):
         return UserError(f"{url}: {err}; check the bucket's name (and AWS_ENDPOINT_URL for a store other than AWS)")
     return None
 
@@ -178,7 +185,7 @@ class Store:
                 return sorted(entry.rsplit("/", 1)[-1] for entry in self.fs.ls(self._path(folder), detail=False,
                                                                                refresh=True))
             except FileNotFoundError as err:
-                if "bucket" in str(err).lower():
+                if _unknown_bucket(err):
                     raise
                 return []
         return self.retrying(listing, self.url(folder))

@@ -287,3 +287,17 @@ def test_shards_of_an_imagefolder_tree_with_val_beside_test_give_the_run_its_val
     shades = [round(float(image[0, 4, 4]) * IMAGENET_STD[0] * 255 + IMAGENET_MEAN[0] * 255)
               for image, _ in (validation.dataset[index] for index in range(3))]
     assert shades == [200, 201, 200], "not the val split's images"
+
+
+@needs_fashion_mnist
+def test_shards_go_to_a_new_folder_of_a_bucket_whose_name_says_bucket_and_an_unknown_bucket_is_named(
+        source, object_store):
+    """README's own example writes to s3://bucket/...: a folder not there yet is a missing object, whose error is its
+    path, "bucket/fashion_mnist/train", not a missing bucket. A bucket that is not there is named in one line."""
+    cfg, _ = source
+    object_store.fs().mkdir("bucket")
+    write_shards(cfg, "s3://bucket/fashion_mnist", **SIZES)
+    assert read_index(Store("s3://bucket/fashion_mnist"), "train").samples == TRAIN
+    with pytest.raises(UserError, match=r"^s3://no-such-bucket/fashion_mnist/\S+: The specified bucket does not "
+                                        r"exist; check the bucket's name"):
+        write_shards(cfg, "s3://no-such-bucket/fashion_mnist", **SIZES)
