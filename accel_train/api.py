@@ -34,7 +34,9 @@ from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint import check_resume, read_meta
 from accel_train.run.folder import check_output_dir
 from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
+from accel_train.run.location import open_run, readable_run
 from accel_train.run.tracking import tracker_names
+from accel_train.storage import is_remote
 from accel_train.versions import check_versions
 
 if TYPE_CHECKING:
@@ -48,7 +50,12 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
           train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
           task: Task | None = None) -> dict:
     """Train; returns the final evaluation's metrics (every process gets the same)."""
+    url = None
+    if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store: its config.yaml is the recipe
+        url, recipe = recipe.rstrip("/"), str(readable_run(recipe, (CONFIG_FILE,)))
     run = None if isinstance(recipe, Config) else run_folder_of(str(recipe))
+    if run is not None and url is not None:
+        run = url  # the run in the store, not its copy in the read cache
     if run is not None and not any(str(override).startswith("output_dir=") for override in overrides):
         if not any(str(override).startswith("resume=") for override in overrides):
             raise UserError(f"train {recipe}: a run folder as the recipe trains that run again, into a folder of its "
@@ -68,6 +75,7 @@ def check_training(config: Config, task: Task | None = None) -> tuple[Task, list
     to resume), so a mistake there answers at once; then the task's (the task `config.task` names when none is
     given). Returns the task and Accelerate's tracker names."""
     trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
+    open_run(config.output_dir, config.data.store_patience_s)  # a URL: the store checked, staging pulled from it
     check_resume(config)  # before the folder is made
     if config.model.init_from:
         from accel_train.run.weights import weights_file
@@ -128,6 +136,10 @@ def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: S
     no torch import, so the command line answers before torch loads."""
     if split not in ("test", "val"):
         raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
+    if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store, copied into the read cache
+        recipe = str(readable_run(recipe))
+    if checkpoint is not None and is_remote(checkpoint):
+        checkpoint = str(readable_run(checkpoint))
     recipe, checkpoint = _recipe_and_checkpoint(recipe, checkpoint, command)
     config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)
     _refuse_other_settings(config, checkpoint, command)

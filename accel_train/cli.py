@@ -36,6 +36,8 @@ accel-train launch [--join_timeout S] ACCELERATE_LAUNCH_ARGS... -m accel_train t
 accel-train bench [--quick] [RECIPE] [KEY=VALUE ...]     our loop vs plain PyTorch, input pipeline, scaling, FLOP/s
 accel-train bench --shards URL [RECIPE] [KEY=VALUE ...]  shards in a store (cold, warm cache) vs ImageFolder vs
                                                          webdataset's loader, same images
+accel-train bench --saves [URL] [RECIPE] [KEY=VALUE ...] what a checkpoint save blocks: in the background vs
+                                                         synchronous (a local folder, or URL)
 accel-train --version                                    versions of accel-train, torch, torchvision, accelerate;
                                                          the devices visible
 accel-train COMMAND --help                               one command's usage, with examples
@@ -125,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("--shards", metavar="URL", help="instead: the input pipeline over the recipe's images as shards "
                        "at URL (cold and warm cache), as an ImageFolder tree, and through webdataset's loader")
+    bench.add_argument("--saves", metavar="URL", nargs="?", const="", help="instead: how long a checkpoint holds "
+                       "training, saved in the background against a synchronous save (into URL, or a local folder); "
+                       "recipe default cifar10_resnet50")
     bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
     bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     runs = subcommand("runs", help="table of runs: recipe, processes, precision, steps, best and final "
@@ -302,6 +307,12 @@ def _run(args: argparse.Namespace) -> None:
         if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
+        if args.saves is not None:
+            from accel_train.tools.bench_saves import run_saves_bench
+
+            run_saves_bench(recipe if args.recipe != "fashion_mnist_fast" else "cifar10_resnet50", overrides,
+                            args.saves or None)
+            return
         if args.shards:
             from accel_train.tools.bench_shards import run_shards_bench
 
@@ -361,6 +372,8 @@ def _show_runs(args: argparse.Namespace) -> None:
     """`runs` and `plot`: read run folders only (no torch)."""
     from accel_train.run import summaries as runs
     from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
+    from accel_train.run.location import readable_runs
+    from accel_train.storage import is_remote
     from accel_train.sweep import results as sweep_results
 
     if args.command == "plot":
@@ -372,18 +385,20 @@ def _show_runs(args: argparse.Namespace) -> None:
             output = Path(given.get("output", Path(folders[0]) / CURVES_FILE))
             print("\n".join(map(str, sweep_results.draw(Path(folders[0]), found, output))), flush=True)
             return
-        found = [run for folder in folders for run in find_runs(Path(folder))]
+        local = [readable_runs(folder) for folder in folders]  # runs in a store: copied into the read cache
+        found = [run for folder in local for run in find_runs(folder)]
         if not found:
             raise UserError(f"plot: no run folder (one holding {CONFIG_FILE} and {METRICS_FILE}) in "
                             f"{' '.join(folders)}")
         from accel_train.errors import writing
         from accel_train.run.plots import plot_runs
 
-        output = Path(given["output"]) if "output" in given else plot_output(folders, found)
+        output = Path(given["output"]) if "output" in given else \
+            plot_output(folders if not any(map(is_remote, folders)) else [*folders, ""], found)
         with writing(output, "drawing the plot", "choose another output=FILE"):
             print(plot_runs(found, output, runs.run_names(found)), flush=True)
         return
-    root = Path(args.folder)
+    root = readable_runs(args.folder)
     if sweep_results.is_sweep(root) and not args.diff:
         found = sweep_results.rows(root)
         print(json.dumps(found, indent=1) if args.json else sweep_results.table(root, found) if found

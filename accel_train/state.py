@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class State:
     restart: tuple[int, int]  # (restarts by the launcher so far, restarts allowed)
     data: Any  # the training Data: its classes, and what feeds it faster (slow_input_advice)
     trackers: tuple[str, ...]  # Accelerate's tracker names the run logs to
+    folder: Path  # where the run's files are written: output_dir, or this process's staging of a URL (run.location)
 
 
 class Observer:

@@ -8,6 +8,7 @@ from a config; the storage libraries are extras (`pip install 'accel-train[s3]'`
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -200,7 +201,52 @@ class Store:
             partial.write_bytes(data)
             partial.replace(path)
             return
-        self.retrying(lambda: self.fs.pipe_file(self._path(name), data), self.url(name))
+        self.retrying(lambda: self.fs.pipe_file(self._path(name), data), self.url(name), "write")
+
+    def files(self, folder: str = "") -> dict[str, int]:
+        """Every object under `folder`, at any depth: {name relative to `folder`: size}."""
+        root = self.url(folder)
+        if not self.remote:
+            path = Path(root)
+            return {entry.relative_to(path).as_posix(): entry.stat().st_size for entry in sorted(path.rglob("*"))
+                    if entry.is_file()} if path.is_dir() else {}
+
+        def listing() -> dict[str, int]:
+            base = self._path(folder).rstrip("/") + "/"
+            try:
+                found = self.fs.find(base, detail=True, withdirs=False)
+            except FileNotFoundError as err:
+                if _unknown_bucket(err):
+                    raise
+                return {}
+            return {path[len(base):]: entry["size"] for path, entry in sorted(found.items())
+                    if path.startswith(base) and entry.get("type") != "directory"}
+        self.fs.invalidate_cache()  # s3fs caches listings: another process may have written since
+        return self.retrying(listing, root)
+
+    def put(self, source: Path, name: str) -> None:
+        """A local file as the object `name`, published whole (as `write`)."""
+        if not self.remote:
+            path = Path(self.url(name))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+            shutil.copyfile(source, partial)
+            partial.replace(path)
+            return
+        self.retrying(lambda: self.fs.put_file(str(source), self._path(name)), self.url(name), "write")
+
+    def get(self, name: str, destination: Path) -> None:
+        """The object `name` into a local file, which appears only once whole."""
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        partial = destination.with_name(f".{destination.name}.{uuid.uuid4().hex[:8]}.partial")
+        try:
+            if self.remote:
+                self.retrying(lambda: self.fs.get_file(self._path(name), str(partial)), self.url(name))
+            else:
+                shutil.copyfile(self.url(name), partial)
+            partial.replace(destination)
+        finally:
+            partial.unlink(missing_ok=True)
 
     def remove(self, name: str) -> None:
         if not self.remote:
@@ -210,9 +256,9 @@ class Store:
                 path.parent.rmdir()  # object stores have no empty folders; a local store keeps none either
             return
         self.retrying(lambda: self.fs.rm_file(self._path(name)) if self.fs.exists(self._path(name)) else None,
-                      self.url(name))
+                      self.url(name), "remove")
 
-    def retrying(self, action: Callable[[], T], url: str) -> T:
+    def retrying(self, action: Callable[[], T], url: str, doing: str = "read") -> T:
         """`action()`, again after each transient error (backoff from 0.2 s, doubling up to 5 s) until it succeeds or
         `patience_s` has passed since the first failure: then one StoreUnavailable line naming `url`."""
         started, delay, attempts = None, 0.2, 0
@@ -234,7 +280,7 @@ class Store:
                             "accel-train shard)" if isinstance(err, _WrongBytes) else
                             "check that the store is reachable from this machine (and AWS_ENDPOINT_URL or the "
                             "storage's own settings)")
-                    raise StoreUnavailable(f"cannot read {url}: {reason.splitlines()[0][:300]} ({attempts} attempts "
+                    raise StoreUnavailable(f"cannot {doing} {url}: {reason.splitlines()[0][:300]} ({attempts} attempts "
                                            f"in {now - started:.0f} s); {what}, then run again with resume=auto"
                                            ) from None
                 if not _warned.is_set():

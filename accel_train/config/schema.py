@@ -219,6 +219,11 @@ class CheckpointConfig:
     best_metric: str | None = doc("validation metric that picks the best checkpoint to keep and model_best.safetensors "
                                   "to export (e.g. accuracy; unset = none)", default=None)
     best_mode: Literal["max", "min"] = doc("whether a higher (max) or lower (min) best_metric is better", default="max")
+    upload_wait_s: float = doc("how long the end of a run (or a stop) waits for a checkpoint still being written or "
+                               "uploaded in the background, and a save for its processes' parts", default=600.0,
+                               within=POSITIVE)
+    require_upload: bool = doc("output_dir at a URL: a checkpoint that cannot reach the store stops the run (exit 3) "
+                               "instead of a warning and the next save trying again", default=False)
 
 
 @dataclass
@@ -235,15 +240,16 @@ class Config:
     task: str = doc("what the model learns: classification, vae, or an import path module:Class (a subclass of "
                     "accel_train.Task)", default="classification")
     seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
-    output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model",
-                          default="runs/default")
+    output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model: a local path, "
+                          "or a URL in object storage (s3://bucket/runs/a, gs://, az://; credentials from the "
+                          "storage's own environment)", default="runs/default")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
     resume: str | None = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
-                                "or the path of a checkpoint folder", default=None)
+                                "or the path (or URL) of one of its checkpoint folders", default=None)
 
     # Recorded, not a key: the recipe name or file load_config read (None for a Config built in Python).
     recipe: typing.ClassVar[str | None] = None
@@ -265,11 +271,9 @@ def spelled_mapping(mapping: dict) -> str:
 def check_values(config: Config, given: set[str] | frozenset[str] = frozenset()) -> None:
     """Every key within its ranges, then the rules that tie keys together; the first broken one, in one line.
     `given`: the keys overrides set on the recipe."""
-    if "://" in config.output_dir:  # as a path it would be a local folder named "s3:" (or "file:")
-        raise UserError(f"output_dir={config.output_dir}: a run folder is a local path for now (on many machines, one "
-                        "they all mount); a URL would become a local folder named "
-                        f"'{config.output_dir.split('://')[0]}:'. Training data can be at a URL: data.name=shards "
-                        "data.root=URL")
+    if config.output_dir.startswith("file://"):  # as a path it would be a local folder named "file:"
+        raise UserError(f"output_dir={config.output_dir}: give a local folder as a path, without file:// "
+                        f"(output_dir={config.output_dir[len('file://'):]})")
     for section in SECTIONS:
         node = getattr(config, section)
         for spec in dataclasses.fields(node):

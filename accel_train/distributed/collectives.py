@@ -115,6 +115,13 @@ def first_message(message: str | None, accelerator: Accelerator) -> str | None:
     return f"process {rank}: {text}" if accelerator.num_processes > 1 else text
 
 
+def main_value(value, accelerator: Accelerator):
+    """The main process's `value` (any picklable object), on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0] if accelerator.num_processes > 1 else value
+
+
 LOST_PEER = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL communicator",
              "ProcessGroupNCCL", "Broken pipe")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # What a launcher sets for its workers: a process accel-train starts as a plain process (the bench) leaves them out.
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
@@ -61,6 +62,17 @@ def launcher_environment() -> LauncherEnvironment:
         uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         socket_interfaces={name: env[name] for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if env.get(name)},
     )
+
+
+STAGING_VARIABLE = "ACCEL_TRAIN_STAGING"
+
+
+def staging_root() -> Path:
+    """Where this machine stages the files of run folders kept at a URL: ACCEL_TRAIN_STAGING, else the user's cache
+    (XDG_CACHE_HOME, else ~/.cache)."""
+    if os.environ.get(STAGING_VARIABLE):
+        return Path(os.environ[STAGING_VARIABLE])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accel-train" / "staging"
 
 
 def host_name() -> str:

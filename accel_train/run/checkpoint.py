@@ -23,12 +23,14 @@ parts and returns where training continues as a ResumePoint. Loading goes throug
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import pickle
 import shutil
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -36,17 +38,20 @@ from typing import TYPE_CHECKING, Protocol
 from accel_train import hooks
 from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
 from accel_train.console import say, warn
-from accel_train.distributed.collectives import any_process, first_message
-from accel_train.errors import UserError, writing
+from accel_train.distributed.collectives import any_process, first_message, main_value
+from accel_train.errors import NonFiniteError, Preempted, UserError, writing
 from accel_train.run.layout import (
     CHECKPOINT_META_FILE,
+    CHECKPOINTS_DIR,
     LOOP_STATE_FILE,
     MODEL_FILE,
     checkpoints_dir,
     usual_permissions,
 )
+from accel_train.run.location import Worker, local_dir, mirror_of, sha256_of
 from accel_train.run.weights import shape_mismatch
 from accel_train.state import Progress, ResumePoint
+from accel_train.storage import StoreUnavailable, is_remote, join
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
 
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
+PART_DONE = ".part-{process}.json"  # a process's part of a checkpoint is complete (in a store: its files' hashes)
 
 
 class Stateful(Protocol):
@@ -94,6 +100,10 @@ def to_keep(checkpoints: list[tuple[Path, dict]], keep_last: int, best_metric: s
     return keep
 
 
+def _sizes(parts: dict[str, list]) -> dict[str, int]:
+    return {file: part[0] for file, part in parts.items()}
+
+
 def resume_position(meta: dict) -> tuple[int, int]:
     """(epoch to continue, optimizer steps of it already taken) for a checkpoint's metadata: a checkpoint of an
     epoch's last step continues with the next epoch (that step's evaluation came before the save)."""
@@ -111,12 +121,37 @@ class Checkpoints:
 
         self.config, self.accelerator = config, accelerator
         self.cfg: CheckpointConfig = config.checkpoint
-        self.directory = checkpoints_dir(config.output_dir)
+        self.mirror = mirror_of(config.output_dir)  # None: a local output_dir
+        self.directory = checkpoints_dir(local_dir(config.output_dir))
+        self.worker = self.mirror.worker if self.mirror is not None else Worker("accel-train checkpoint")
+        from accel_train.run.snapshot import Snapshots  # torch: not before the checks that need none
+
+        self.snapshots, self.pending = Snapshots(), None
+        self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
         states = states or {}
         for part in states.values():
             if isinstance(part, torch.nn.Module):  # before load_state: a resume restores it
                 accelerator.register_for_checkpointing(part)
         self.states = {name: part for name, part in states.items() if not isinstance(part, torch.nn.Module)}
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        """When training ends (its end, a stop signal, the non-finite stop), the pending save is committed and the
+        run's last files reach the store, within checkpoint.upload_wait_s. After another error the processes end at
+        once: a peer may be gone, whose part a commit would wait for; the newest committed checkpoint stays."""
+        if kind is not None and not issubclass(kind, (Preempted, NonFiniteError)):
+            self.worker.close()
+            return
+        self.settle(at_end=True)
+        if self.mirror is not None:
+            self.mirror.drain(self.cfg.upload_wait_s)
+        self.worker.close()
+        if self.saves and self.accelerator.is_main_process:
+            verb = "uploaded" if self.mirror else "written"
+            say(f"checkpoints: {self.saves} saved; training blocked {self.blocked_s:.2f} s by them, {verb} in "
+                f"{self.written_s:.2f} s in all")
 
     def due(self, progress: Progress, last: bool) -> bool:
         """Whether the step just taken is saved: every checkpoint.every_steps optimizer steps, after each epoch's
@@ -126,41 +161,159 @@ class Checkpoints:
         saving = self.cfg.at_epoch_end or bool(self.cfg.every_steps)
         return every or (progress.at_epoch_end and self.cfg.at_epoch_end) or (last and saving)
 
-    def save(self, progress: Progress, evaluated: bool) -> Path:
-        """Every process writes its part; the main process publishes the folder once all have. `evaluated`: after
-        the step's evaluation (its metrics go into checkpoint.json)."""
+    def save(self, progress: Progress, evaluated: bool) -> str:
+        """Every process copies its part of the state to host memory, and training goes on while it is written
+        (and uploaded) in the background; the main process commits the checkpoint once every part is there. Waits
+        first for the previous save. `evaluated`: after the step's evaluation (its metrics go into checkpoint.json).
+        Returns where the checkpoint will be."""
+        began = time.perf_counter()
+        self.settle()
         hooks.every().checkpoint_saving(progress)
-        accelerator, name = self.accelerator, f"step-{progress.step:08d}"
+        accelerator = self.accelerator
+        name = main_value(self._free_name(progress.step) if accelerator.is_main_process else None, accelerator)
         loop_state = {part_name: part.state_dict() for part_name, part in self.states.items()}
         partial = self.directory / f"{PARTIAL_PREFIX}{name}"
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
-            if accelerator.is_main_process:
+            if accelerator.is_main_process or self.mirror is not None:  # a staging folder is this process's own
                 self.directory.mkdir(parents=True, exist_ok=True)
                 for stale in self.directory.glob(f"{PARTIAL_PREFIX}*"):  # left by a save that a crash cut short
                     shutil.rmtree(stale, ignore_errors=True)
             accelerator.wait_for_everyone()
-            started = time.perf_counter()
-            accelerator.save_state(str(partial))
-            _write_synced(partial / LOOP_STATE_FILE.format(process=accelerator.process_index), json.dumps(loop_state))
-            # Every process has written its own files before the folder can become visible as complete.
-            accelerator.wait_for_everyone()
-            final = self.directory / name
-            if accelerator.is_main_process:
-                final = self._publish(progress, evaluated, partial, name, time.perf_counter() - started)
-                self._prune()
-        accelerator.wait_for_everyone()
-        hooks.every().checkpoint_saved(progress, final)
-        return final
+            files = self.snapshots.take(accelerator)
+            if files is None:
+                accelerator.save_state(str(partial))
+        blocked = time.perf_counter() - began
+        job = self.worker.submit(self._write_and_commit, copy.copy(progress), evaluated, name, partial, files,
+                                 loop_state, blocked)
+        self.pending = (copy.copy(progress), job, self.where(self.directory / name))
+        self.saves, self.blocked_s = self.saves + 1, self.blocked_s + blocked
+        return self.pending[2]
 
-    def _publish(self, progress: Progress, evaluated: bool, partial: Path, name: str, seconds: float) -> Path:
-        fsync_started = time.perf_counter()
+    def where(self, folder: Path) -> str:
+        """A checkpoint folder as the user knows it: its URL for a run folder in a store."""
+        if self.mirror is None:
+            return str(folder)
+        return join(self.mirror.url, CHECKPOINTS_DIR, *([folder.name] if folder != self.directory else []))
+
+    def settle(self, bound_s: float | None = None, at_end: bool = False) -> None:
+        """Wait (at most `bound_s`, else checkpoint.upload_wait_s) for the pending save: its checkpoint_saved hook
+        runs on this thread, or its failure is said (raised with checkpoint.require_upload, or when the disk
+        failed)."""
+        if self.pending is None:
+            return
+        progress, job, location = self.pending
+        bound_s = self.cfg.upload_wait_s if bound_s is None else bound_s
+        try:
+            if not self.worker.idle_within(bound_s):  # every upload asked for so far, this checkpoint's among them
+                raise FutureTimeout
+            job.result(timeout=0)
+        except FutureTimeout:
+            self.pending = None
+            warn(self.accelerator, f"the checkpoint of step {progress.step} is still being "
+                                   f"{'uploaded' if self.mirror else 'written'} after {bound_s:.0f} s "
+                                   "(checkpoint.upload_wait_s); " + ("ending without it: resume=auto takes the newest "
+                                                                     "committed checkpoint" if at_end else
+                                                                     "going on without it"))
+            return
+        except StoreUnavailable as err:
+            self.pending = None
+            if self.cfg.require_upload:
+                raise
+            say(f"accel-train: warning: the checkpoint of step {progress.step} did not reach the store ({err}); "
+                "training goes on and the next save tries again (checkpoint.require_upload=true stops instead)",
+                error=True)
+            return
+        self.pending = None
+        hooks.every().checkpoint_saved(progress, location)
+
+    def _free_name(self, step: int) -> str:
+        name, suffix = f"step-{step:08d}", 1
+        taken = set(self.mirror.partial_checkpoints) if self.mirror is not None else set()
+        while (self.directory / name).exists() or name in taken:  # e.g. a timeline abandoned by resume=PATH
+            name, suffix = f"step-{step:08d}-{suffix}", suffix + 1
+        return name
+
+    def _write_and_commit(self, progress: Progress, evaluated: bool, name: str, partial: Path,
+                          files: dict | None, loop_state: dict, blocked: float) -> None:
+        """In the background: this process's part written (from the snapshot) and, for a store, uploaded; then on
+        the main process, once every process's part is there, the checkpoint committed and old ones pruned."""
+        started, accelerator = time.perf_counter(), self.accelerator
+        process = accelerator.process_index
+        with writing(partial, f"saving the checkpoint of step {progress.step}"):
+            if files is not None:
+                from accel_train.run.snapshot import write
+
+                write(files, partial)
+            _write_synced(partial / LOOP_STATE_FILE.format(process=process), json.dumps(loop_state))
+            mine = sorted(path for path in partial.iterdir() if path.is_file() and not path.name.startswith("."))
+            if files is not None or self.mirror is not None:  # else save_state wrote them, synced at publishing
+                usual_permissions(*mine)
+                for path in mine:
+                    _fsync(path)
+            if self.mirror is None:
+                _write_synced(partial / PART_DONE.format(process=process), "")
+        if self.mirror is not None:
+            self._upload_part(name, mine)
+            if not accelerator.is_main_process:  # the store has them
+                shutil.rmtree(partial, ignore_errors=True)
+        if not accelerator.is_main_process:
+            return
+        parts = self._wait_for_parts(name, partial, progress.step)
+        with writing(partial, f"saving the checkpoint of step {progress.step}"):
+            final = self._publish(progress, evaluated, partial, name, parts)
+        written = time.perf_counter() - started
+        self.written_s += written
+        size_mb = sum(meta_size for meta_size in _sizes(parts).values()) / 2**20
+        verb = "uploaded" if self.mirror else "written"
+        say(f"checkpoint step {progress.step} saved in {self.where(final)}: blocked {blocked:.2f} s, {verb} in "
+            f"{written:.2f} s ({size_mb:.1f} MiB)")
+        self._prune()
+
+    def _upload_part(self, name: str, paths: list[Path]) -> None:
+        """This process's files under the checkpoint's prefix, then the record of them that tells the main process
+        this part is complete."""
+        store, record = self.mirror.store, {}
+        for path in paths:
+            store.put(path, f"{CHECKPOINTS_DIR}/{name}/{path.name}")
+            record[path.name] = [path.stat().st_size, sha256_of(path)]
+        store.write(f"{CHECKPOINTS_DIR}/{name}/{PART_DONE.format(process=self.accelerator.process_index)}",
+                    json.dumps(record).encode())
+
+    def _wait_for_parts(self, name: str, partial: Path, step: int) -> dict[str, list]:
+        """{file: [size, sha256 or None]} of every process's part, once all are there (polled, at most
+        checkpoint.upload_wait_s: no collective runs off the training thread)."""
+        processes, deadline = self.accelerator.num_processes, time.monotonic() + self.cfg.upload_wait_s
+        markers = [PART_DONE.format(process=process) for process in range(processes)]
+        while True:
+            if self.mirror is not None:
+                present = set(self.mirror.store.names(f"{CHECKPOINTS_DIR}/{name}"))
+            else:
+                present = {path.name for path in partial.iterdir()}
+            missing = [process for process, marker in enumerate(markers) if marker not in present]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise UserError(f"the checkpoint of step {step}: process(es) {', '.join(map(str, missing))} did not "
+                                f"write their part within {self.cfg.upload_wait_s:.0f} s (checkpoint.upload_wait_s)")
+            time.sleep(0.05)
+        if self.mirror is None:
+            for marker in markers:
+                (partial / marker).unlink()
+            return {str(path.relative_to(partial)): [path.stat().st_size, None]
+                    for path in sorted(partial.rglob("*")) if path.is_file()}
+        parts: dict[str, list] = {}
+        for marker in markers:
+            parts.update(json.loads(self.mirror.store.read(f"{CHECKPOINTS_DIR}/{name}/{marker}")))
+        return parts
+
+    def _publish(self, progress: Progress, evaluated: bool, partial: Path, name: str, parts: dict) -> Path:
+        """The checkpoint.json that marks the checkpoint complete, written last: locally the folder renamed into
+        place; in a store the manifest (each object's size and sha256) after every object and metrics.jsonl."""
         existing = list_checkpoints(self.directory)
-        files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*"))
-                 if path.is_file()}
-        usual_permissions(*(partial / relative for relative in files))
-        for relative in files:  # durable before the rename publishes them
-            _fsync(partial / relative)
-        seconds += time.perf_counter() - fsync_started
+        if self.mirror is None:
+            usual_permissions(*(partial / relative for relative in parts))
+            for relative in parts:  # durable before the rename publishes them
+                _fsync(partial / relative)
         meta = {
             "format": FORMAT,
             "serial": existing[-1][1]["serial"] + 1 if existing else 1,
@@ -172,28 +325,40 @@ class Checkpoints:
             "metrics": dict(progress.last_eval) if evaluated else {},
             "world_size": self.accelerator.num_processes,
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "save_seconds": round(seconds, 3),
-            "files": files,
+            "files": _sizes(parts),
+            **({"sha256": {file: part[1] for file, part in parts.items()}} if self.mirror is not None else {}),
             "config": self.config.to_dict(),
         }
-        _write_synced(partial / CHECKPOINT_META_FILE, json.dumps(meta, indent=1))
+        text = json.dumps(meta, indent=1)
+        if self.mirror is not None:
+            self.mirror.sync()  # every line this checkpoint has seen is in the store before it counts
+            self.mirror.store.write(f"{CHECKPOINTS_DIR}/{name}/{CHECKPOINT_META_FILE}", text.encode())
+            for path in partial.iterdir():  # the store has them: staging keeps the manifest only
+                path.unlink()
+        _write_synced(partial / CHECKPOINT_META_FILE, text)
         final = self.directory / name
-        suffix = 1
-        while final.exists():  # same step saved before, e.g. in a timeline abandoned by resume=PATH
-            final, suffix = self.directory / f"{name}-{suffix}", suffix + 1
         os.replace(partial, final)
         _fsync(self.directory)
-        size_mb = sum(files.values()) / 2**20
-        say(f"checkpoint step {progress.step} saved in {final} ({size_mb:.1f} MiB, {seconds:.2f} s)")
         return final
 
     def _prune(self) -> None:
+        """Checkpoints beyond checkpoint.keep_last (and not the best): only committed ones of this run, each by the
+        files its manifest lists."""
         cfg = self.cfg
         checkpoints = list_checkpoints(self.directory)
         keep = to_keep(checkpoints, cfg.keep_last, cfg.best_metric, cfg.best_mode)
-        for folder, _ in checkpoints:
+        for folder, meta in checkpoints:
             if folder not in keep:
-                shutil.rmtree(folder, ignore_errors=True)
+                self._delete(folder, meta)
+
+    def _delete(self, folder: Path, meta: dict) -> None:
+        """A committed checkpoint; in a store, uncommitted first (its manifest), then emptied of what it lists."""
+        if self.mirror is not None:
+            prefix = f"{CHECKPOINTS_DIR}/{folder.name}"
+            self.mirror.store.remove(f"{prefix}/{CHECKPOINT_META_FILE}")
+            for name in [*meta["files"], *(PART_DONE.format(process=p) for p in range(meta["world_size"]))]:
+                self.mirror.store.remove(f"{prefix}/{name}")
+        shutil.rmtree(folder, ignore_errors=True)
 
     def resume(self, model: torch.nn.Module, steps_per_epoch: int, total_steps: int) -> ResumePoint:
         """Load the checkpoint `resume` names (all processes), restore every part in place, and say where training
@@ -203,36 +368,42 @@ class Checkpoints:
             return ResumePoint()
         if config.resume == "auto":
             candidates = list_checkpoints(directory)
-            for partial in sorted(directory.glob(f"{PARTIAL_PREFIX}*")) if directory.is_dir() else []:
-                warn(accelerator, f"ignoring {partial}: a save that did not complete")
+            partials = sorted(directory.glob(f"{PARTIAL_PREFIX}*")) if directory.is_dir() else []
+            for partial in [*partials, *(directory / name for name in self.mirror.partial_checkpoints)] \
+                    if self.mirror is not None else partials:
+                warn(accelerator, f"ignoring {self.where(partial)}: a save that did not complete")
             if not candidates:
-                accelerator.print(f"resume=auto: no checkpoint in {directory}; starting from step 0")
+                accelerator.print(f"resume=auto: no checkpoint in {self.where(directory)}; starting from step 0")
                 return ResumePoint()
         else:  # check_resume made sure, before any data loaded, that it is a checkpoint of this run
-            candidates = [(Path(config.resume), read_meta(Path(config.resume)))]
+            candidates = [(resume_folder(config), read_meta(resume_folder(config)))]
         for folder, meta in reversed(candidates):
             if folder != candidates[-1][0]:  # the newest was checked before any data loaded (check_resume)
                 _refuse_other_identity(folder, meta, config)
-            _refuse_what_cannot_continue(folder, meta, config, accelerator, model, steps_per_epoch)
-            trouble, error = _damage(folder, meta), None
+            trouble = self._fetch(folder, meta) if self.mirror is not None else None
+            if trouble is None:
+                _refuse_what_cannot_continue(folder, meta, config, accelerator, model, steps_per_epoch)
+                trouble = _damage(folder, meta)
+            error = None
             if trouble is None:
                 trouble, error = _load(accelerator, folder)
             error = first_message(error, accelerator)
             if error:  # not damage: an older checkpoint would fail the same way, and this one is probably good
-                raise UserError(f"resume: cannot load {folder}, whose files are whole: {error}; this is not damage "
-                                "in the checkpoint but a library that differs from what accel-train expects (see "
-                                "accel-train --version) or a bug; the checkpoint is left as it is")
+                raise UserError(f"resume: cannot load {self.where(folder)}, whose files are whole: {error}; this is "
+                                "not damage in the checkpoint but a library that differs from what accel-train "
+                                "expects (see accel-train --version) or a bug; the checkpoint is left as it is")
             if not any_process(trouble is not None, accelerator):
                 break
-            warn(accelerator, f"checkpoint {folder} is unusable ({trouble or 'another process could not load it'}); "
-                              "trying the previous one")
+            warn(accelerator, f"checkpoint {self.where(folder)} is unusable "
+                              f"({trouble or 'another process could not load it'}); trying the previous one")
         else:
-            where = directory if config.resume == "auto" else config.resume
+            where = self.where(directory) if config.resume == "auto" else config.resume
             raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from "
                             "step 0")
         _note_schedule_changes(folder, meta, config, accelerator)
         epoch, done = resume_position(meta)
-        accelerator.print(f"resuming from {folder}: step {meta['step']}, epoch {epoch}, {done} batches of it done")
+        accelerator.print(f"resuming from {self.where(folder)}: step {meta['step']}, epoch {epoch}, {done} batches "
+                          "of it done")
         if meta["step"] >= total_steps:
             accelerator.print(f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to "
                               "train")
@@ -253,6 +424,22 @@ class Checkpoints:
                            in_output_dir=folder.parent.resolve() == directory.resolve(),
                            saved_world_size=meta["world_size"])
 
+    def _fetch(self, folder: Path, meta: dict) -> str | None:
+        """A committed checkpoint's objects from the store into staging, each checked against its manifest's size
+        and sha256; what is wrong, or None."""
+        hashes = meta.get("sha256") or {}
+        for name, size in meta["files"].items():
+            path = folder / name
+            if path.is_file() and path.stat().st_size == size and sha256_of(path) == hashes.get(name):
+                continue
+            try:
+                self.mirror.store.get(f"{CHECKPOINTS_DIR}/{folder.name}/{name}", path)
+            except FileNotFoundError:
+                return f"{name} is missing in the store"
+            if path.stat().st_size != size or sha256_of(path) != hashes.get(name):
+                return f"{name} in the store is not the one its manifest describes (size or sha256)"
+        return None
+
     def _merged_loop_states(self, folder: Path, meta: dict) -> dict:
         """Each part's state for this process from a checkpoint of another world size: a part whose state differs
         per process (the train meter's partial sums) merges the saved processes' states (`merge_states`); any
@@ -272,22 +459,36 @@ def check_resume(config: Config) -> None:
     """Before any data is loaded: `resume=PATH` is a checkpoint, and the checkpoint to resume is this run's."""
     if config.resume is None:
         return
+    own = checkpoints_dir(local_dir(config.output_dir))
     if config.resume == "auto":
-        found = list_checkpoints(checkpoints_dir(config.output_dir))
+        found = list_checkpoints(own)
         if found:
             _refuse_other_identity(*found[-1], config)
         return
-    meta = read_meta(Path(config.resume))
+    folder = resume_folder(config)
+    meta = read_meta(folder)
     if meta is None:
         raise UserError(f"resume={config.resume}: not a checkpoint (no readable {CHECKPOINT_META_FILE}); pass a folder "
                         f"under OUTPUT_DIR/checkpoints/, or resume=auto")
-    _refuse_other_identity(Path(config.resume), meta, config)
-    own = checkpoints_dir(config.output_dir)
-    if Path(config.resume).resolve().parent != own.resolve():
+    _refuse_other_identity(folder, meta, config)
+    if folder.resolve().parent != own.resolve():
         raise UserError(f"resume={config.resume} is a checkpoint of another folder than "
                         f"output_dir={config.output_dir}: resume continues output_dir's own run (resume=auto, or one "
-                        f"of {own}/step-N); to start a new run from its weights, give "
-                        f"model.init_from={config.resume} instead")
+                        f"of {join(config.output_dir, CHECKPOINTS_DIR)}/step-N); to start a new run from its weights, "
+                        f"give model.init_from={config.resume} instead")
+
+
+def resume_folder(config: Config) -> Path:
+    """The folder `resume=PATH` names; for a run folder in a store, a checkpoint URL under output_dir is its staged
+    copy (whose manifest the start pulled)."""
+    if not is_remote(config.resume):
+        return Path(config.resume)
+    prefix = join(config.output_dir, CHECKPOINTS_DIR) + "/"
+    if is_remote(config.output_dir) and config.resume.startswith(prefix):
+        return checkpoints_dir(local_dir(config.output_dir)) / config.resume[len(prefix):].strip("/")
+    raise UserError(f"resume={config.resume} is not a checkpoint of output_dir={config.output_dir}: resume continues "
+                    f"output_dir's own run (resume=auto, or {prefix}step-N); to start a new run from its weights, "
+                    f"give model.init_from=... instead")
 
 
 def _refuse_other_identity(folder: Path, meta: dict, config: Config) -> None:

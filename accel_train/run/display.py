@@ -4,13 +4,14 @@ a line per evaluation and checkpoint, one warning when the steps wait for data, 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from accel_train.console import say
 from accel_train.data import slow_input_advice
-from accel_train.run.layout import results_of, trackers_dir
+from accel_train.run.layout import TRACKERS_DIR, results_of
+from accel_train.run.location import local_dir
 from accel_train.run.summaries import duration, ran_out, summarize
 from accel_train.state import Observer, Progress, State, across_world_sizes
+from accel_train.storage import join
 
 SLOW_INPUT_SHARE = 0.3  # a train line whose data_wait is above this says which knob feeds the steps faster
 
@@ -79,7 +80,8 @@ class Console(Observer):
 
     def on_train_end(self, state: State) -> None:
         self.close()
-        print(summary_block(summarize(Path(state.config.output_dir)), results(state), watch(state)), flush=True)
+        print(summary_block({**summarize(local_dir(state.config.output_dir)), "folder": state.config.output_dir},
+                            results(state), watch(state)), flush=True)
 
     def close(self) -> None:
         """The bar is left as it stands, and what follows (the summary, a stop or error line) starts a line."""
@@ -105,12 +107,13 @@ def results(state: State) -> list[str]:
                         curves=config.train.plot, classes=state.data.classes is not None,
                         checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
                         tracking=bool(state.trackers))
-    return [name for name in listed if (Path(config.output_dir) / name.rstrip("/")).exists()]
+    return [name for name in listed if (local_dir(config.output_dir) / name.rstrip("/")).exists()]
 
 
 def watch(state: State) -> str | None:
     """How to watch the run's curves live, where a tracker offers a command for it."""
-    return f"tensorboard --logdir {trackers_dir(state.config.output_dir)}" if "tensorboard" in state.trackers else None
+    logs = join(state.config.output_dir, TRACKERS_DIR)
+    return f"tensorboard --logdir {logs}" if "tensorboard" in state.trackers else None
 
 
 def leaving_room_for_an_echo(terminal_size):

@@ -13,6 +13,7 @@ from pathlib import Path
 from accel_train.config import CONFIG_FILE, Config, save_config
 from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import UserError, storage_error, writing
+from accel_train.run.checkpoint import resume_folder
 from accel_train.run.layout import (
     CLASSES_FILE,
     CURVES_FILE,
@@ -22,13 +23,14 @@ from accel_train.run.layout import (
     checkpoints_dir,
     held_results,
 )
+from accel_train.run.location import local_dir, mirror_of
 from accel_train.state import Observer, Progress, ResumePoint, State
 
 
 def check_output_dir(config: Config) -> None:
     """Before any data loads: output_dir is a folder this process can write, and a run's results already there
     are continued (resume=auto), never silently overwritten (HF Trainer refuses a non-empty output_dir too)."""
-    folder = Path(config.output_dir)
+    folder = local_dir(config.output_dir)  # for a URL, this process's staging folder, pulled from the store
     if folder.exists() and not folder.is_dir():
         raise UserError(f"output_dir={config.output_dir} is a file, not a folder; pass a folder for the run's results")
     unwritable = "choose an output_dir you can write"
@@ -41,7 +43,7 @@ def check_output_dir(config: Config) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise storage_error(folder, "creating output_dir", PermissionError(13, "Permission denied"), unwritable)
     continues = config.resume == "auto" or (
-        config.resume is not None and Path(config.resume).resolve().parent == checkpoints_dir(folder).resolve())
+        config.resume is not None and resume_folder(config).resolve().parent == checkpoints_dir(folder).resolve())
     held = held_results(folder)
     if held and not continues:
         how = "add resume=auto to continue it" if config.resume is None else \
@@ -93,7 +95,7 @@ class RunFolder(Observer):
 
     def on_train_start(self, state: State) -> None:
         config, start = state.config, state.start
-        self.folder = Path(config.output_dir)
+        self.folder, self.mirror = local_dir(config.output_dir), mirror_of(config.output_dir)
         path = self.folder / METRICS_FILE
         started, host = now(), socket.gethostname()
         with writing(self.folder, "writing config.yaml and metrics.jsonl"):
@@ -113,6 +115,7 @@ class RunFolder(Observer):
             keep = start.in_output_dir or config.resume == "auto"
             with open(self.folder / STARTS_FILE, "a" if keep else "w") as starts:
                 starts.write(json.dumps(line) + "\n")
+        self._sync()
 
     def on_log(self, state: State, logs: dict) -> None:
         self._write({"split": "train", "epoch": state.progress.epoch, "step": state.progress.step, **logs},
@@ -121,6 +124,7 @@ class RunFolder(Observer):
     def on_micro_batch_change(self, state: State, change: dict) -> None:
         with writing(self.folder / STARTS_FILE, "writing starts.jsonl"), open(self.folder / STARTS_FILE, "a") as starts:
             starts.write(json.dumps({"time": now(), **change, "event": MICRO_BATCH_CHANGE}) + "\n")
+        self._sync()
 
     def on_eval(self, state: State, metrics: dict, split: str) -> None:
         self._write({"split": split, "epoch": state.progress.epoch, "step": state.progress.step, **metrics},
@@ -140,6 +144,12 @@ class RunFolder(Observer):
         when = {"time": now(), "elapsed_s": round(progress.elapsed_s(), 3)}
         with writing(self.metrics.name, "writing metrics.jsonl"):
             self.metrics.write(json.dumps({**line, **when}) + "\n")
+        self._sync()
+
+    def _sync(self) -> None:
+        """A run folder in a store gets the new lines within SYNC_EVERY_S (and before each checkpoint commits)."""
+        if self.mirror is not None:
+            self.mirror.sync_soon()
 
 
 def micro_batch_size(config: Config, world_size: int) -> int:

@@ -41,6 +41,7 @@ from accel_train.console import note
 from accel_train.distributed.accelerator import finish_command
 from accel_train.errors import Preempted
 from accel_train.run.layout import EMA_FILE, MODEL_FILE
+from accel_train.run.location import local_dir
 from accel_train.run.weights import export
 from accel_train.training.evaluation import evaluate
 from accel_train.training.guard import clip_gradients
@@ -58,7 +59,8 @@ def train(config: Config, task: Task, trackers: list[str], *, model=None, train_
     accelerator, model, progress, guard, meter = run.accelerator, run.model, run.progress, run.guard, run.meter
     # SIGTERM / SIGINT are agreed on; a process without progress is named (train.stuck_after_s); the observers
     # close however training ends (a stop line starts a line of its own)
-    with run.signals as signals, run.observers as observers, run.watchdog:
+    # ... and however it ends, the pending checkpoint is committed and the run's files are in a store, within a bound
+    with run.checkpoints, run.signals as signals, run.observers as observers, run.watchdog:
         observers.on_train_start(run.state)
         for progress.epoch in run.epochs():
             model.train()
@@ -126,8 +128,10 @@ def finish(run: Run) -> dict:
                              run.watchdog.mark_evaluation)
         run.observers.on_eval(run.state, final, "test")
     with run.watchdog.paused():
-        export(run.accelerator, run.model, Path(run.config.output_dir) / MODEL_FILE)
+        folder = local_dir(run.config.output_dir)  # for a URL, staged: the store gets it before the run ends
+        export(run.accelerator, run.model, folder / MODEL_FILE)
         if run.ema:
-            export(run.accelerator, run.ema.model, Path(run.config.output_dir) / EMA_FILE)
+            export(run.accelerator, run.ema.model, folder / EMA_FILE)
+        run.checkpoints.settle(at_end=True)  # the last checkpoint's line before the summary
         run.observers.on_train_end(run.state)
     return final

@@ -34,6 +34,7 @@ from accel_train.run.checkpoint import Checkpoints
 from accel_train.run.display import Console
 from accel_train.run.folder import RunFolder
 from accel_train.run.layout import stuck_dir, trackers_dir
+from accel_train.run.location import local_dir
 from accel_train.run.tracking import Trackers
 from accel_train.run.weights import initial_weights
 from accel_train.state import Observers, Progress, ResumePoint, State
@@ -101,7 +102,7 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     process, then each process's own random streams (dropout), then the checkpoint's state over all of them."""
     started = time.perf_counter()
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, trackers,
-                                   str(trackers_dir(config.output_dir)))
+                                   str(trackers_dir(local_dir(config.output_dir))))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
     auto = accumulation is None
@@ -152,7 +153,7 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     launcher = launcher_environment()
     state = State(config, progress, start, run_info(accelerator), (launcher.restart, launcher.max_restarts),
-                  train_data, tuple(trackers))
+                  train_data, tuple(trackers), local_dir(config.output_dir))
     observers = main_process_observers(accelerator, task, config, trackers)
     signals = StopSignals(accelerator, config.train.collective_timeout_s)
     selecting_split = "val" if val_loader is not None else "test"
@@ -160,7 +161,7 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
         warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
                           "no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
                           "validation split")
-    watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(config.output_dir), signals)
+    watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(local_dir(config.output_dir)), signals)
     batches = TrainingBatches(accelerator, train_loader, task, config.seed, accumulation, progress, start,
                               meter.timed, watchdog.mark)
     step = AdaptiveStep(accelerator, task, micro_batch_size, observers, state) if adapts \

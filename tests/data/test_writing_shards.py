@@ -117,7 +117,7 @@ def test_a_write_cut_short_by_a_store_outage_is_finished_by_running_it_again_int
     # after data.store_patience_s with three shards and their records in place.
     object_store.proxy.inject("reset", times=10**6, match=lambda method, path: method == "PUT" and
                               path.endswith("/cut/train/shard-000003.tar"))
-    with pytest.raises(StoreUnavailable, match=f"^cannot read {url}/train/shard-000003.tar: "):
+    with pytest.raises(StoreUnavailable, match=f"^cannot write {url}/train/shard-000003.tar: "):
         write_shards(cfg, url, **SIZES)
     object_store.proxy.clear_faults()
     left = objects_under(object_store, "cut")

@@ -175,3 +175,45 @@ def test_the_slurm_script_with_min_nodes_runs_the_elastic_torchrun_command_on_ev
     run_nodes([(["bash", str(PROFILES / "slurm_multi_node.sbatch"), "train", "mnist_cnn"], env)])
     srun_options = (tmp_path / "fake_slurm_bin/srun.args").read_text().split(" bash -c ")[0].split()
     assert srun_options == ["--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"], "a lost node ends no other"
+
+
+def test_a_job_with_its_run_folder_in_object_storage_loses_a_machine_and_the_survivor_resumes_from_the_store(
+        object_store, tmp_path):
+    """No shared folder: each machine stages the run on its own disk (ACCEL_TRAIN_STAGING), and the survivor's restart
+    finds the newest checkpoint, metrics.jsonl and starts.jsonl in the store alone."""
+    url, port, total_steps = object_store.url("runs/elastic"), free_port(), 40
+    arguments = run(url, 24 * total_steps, collective_timeout_s=30)
+    fs, prefix = object_store.fs(), url.split("://", 1)[1]
+
+    def lines(name: str) -> list[dict]:
+        text = fs.cat(f"{prefix}/{name}").decode() if fs.exists(f"{prefix}/{name}") else ""
+        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+    def committed_steps() -> list[int]:
+        return sorted(json.loads(fs.cat(path))["step"] for path in fs.glob(f"{prefix}/checkpoints/*/checkpoint.json"))
+
+    def stored_train_steps() -> list[int]:
+        return [line["step"] for line in lines("metrics.jsonl") if line["split"] == "train"]
+
+    survivor_log = tmp_path / "machine0.log"
+    survivor = start([*machine(port, holds_rendezvous=True), *arguments], survivor_log,
+                     env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk0")})
+    lost = start([*machine(port, holds_rendezvous=False), *arguments], tmp_path / "machine1.log",
+                 env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk1")})
+    wait_for(lambda: committed_steps() and max(stored_train_steps(), default=0) > committed_steps()[-1],
+             survivor, survivor_log)
+    assert lost.poll() is None
+    lose(psutil.Process(lost.pid), signal.SIGKILL)
+    trained_to = max(stored_train_steps())
+    assert survivor.wait(timeout=240) == 0, logs(tmp_path)
+
+    starts = [line for line in lines("starts.jsonl") if "event" not in line]
+    assert [(start["world_size"], start["launcher_restart"], start["checkpoint_world_size"]) for start in starts] \
+        == [(2, 0, None), (1, 1, 2)], starts
+    resumed_at = starts[1]["step"]
+    assert resumed_at % EVERY == 0 and 0 < resumed_at <= trained_to, (resumed_at, trained_to)
+    assert f"resuming from {url}/checkpoints/step-{resumed_at:08d}" in survivor_log.read_text()
+    assert stored_train_steps() == list(range(1, total_steps + 1))  # the lost steps trained again, once
+    final = [line for line in lines("metrics.jsonl") if line["split"] == "test"][-1]
+    assert (final["step"], final["num_samples"]) == (total_steps, 50) and fs.exists(f"{prefix}/model.safetensors")
+    assert not list((tmp_path / "disk0").rglob("*.json")), "the survivor's staging is left behind"

@@ -57,12 +57,31 @@ MUTATIONS = [
              "accelerator.gather(outputs)",
              ("tests/distributed/test_exact_eval_at_any_world_size_and_world_size_checks.py::test_eval_is_exact_at_any_world_size",)),
     Mutation("checkpoint metadata written before the files (published, then saved into)",
-             "accel_train/run/checkpoint.py", "            accelerator.save_state(str(partial))\n",
-             "            if accelerator.is_main_process:\n"
-             "                self._publish(progress, evaluated, partial, name, 0.0)\n"
-             "            accelerator.save_state(str(partial))\n",
+             "accel_train/run/checkpoint.py", "                write(files, partial)\n",
+             "                if accelerator.is_main_process:\n"
+             "                    self._publish(progress, evaluated, partial, name, {})\n"
+             "                write(files, partial)\n",
              ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_from_that_checkpoint_of_its_own_folder_as_if_never_interrupted",
               "tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
+    Mutation("a checkpoint's manifest written before its objects are in the store (their uploads left running)",
+             "accel_train/run/checkpoint.py",
+             "            store.put(path, f\"{CHECKPOINTS_DIR}/{name}/{path.name}\")\n",
+             "            __import__(\"threading\").Thread(target=store.put, args=(path, f\"{CHECKPOINTS_DIR}/{name}/"
+             "{path.name}\")).start()\n",
+             ("tests/run_folder/test_run_folder_in_object_storage.py::test_kill_9_during_an_upload_leaves_a_partial_checkpoint_the_next_start_ignores_saying_so",)),
+    Mutation("retention makes room before a save (the checkpoint a start resumed from deleted before a newer one is "
+             "committed, as Lightning #21813)",
+             "accel_train/run/checkpoint.py", "        hooks.every().checkpoint_saving(progress)\n",
+             "        hooks.every().checkpoint_saving(progress)\n"
+             "        if self.accelerator.is_main_process:\n"
+             "            for old in list_checkpoints(self.directory)[:len(list_checkpoints(self.directory)) + 1 - "
+             "self.cfg.keep_last]:\n"
+             "                self._delete(*old)\n",
+             ("tests/run_folder/test_run_folder_in_object_storage.py::test_retention_keeps_the_checkpoint_a_start_resumed_from_until_a_newer_one_is_committed_and_nothing_else_is_touched",)),
+    Mutation("the end of a run does not wait for its uploads (the background thread dies with the process)",
+             "accel_train/run/location.py", "            self.submit(lambda: None).result(timeout=seconds)\n",
+             "            self.submit(lambda: None)\n",
+             ("tests/run_folder/test_run_folder_in_object_storage.py::test_the_end_of_a_run_waits_for_its_last_upload",)),
     Mutation("SIGTERM ignored (not handled: the process dies without saving)",
              "accel_train/distributed/signals.py", "HANDLED = (signal.SIGTERM, signal.SIGINT)",
              "HANDLED = (signal.SIGINT,)",

@@ -296,9 +296,9 @@ def test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar(tmp_path):
     bars = [line for line in lines[1:done] if re.match(r"epoch \d+: +\d+%\|", line)]
     messages = [line for line in lines[1:done] if line not in bars]
     assert len(bars) == 1 and re.match(r"epoch 0: 100%\|.*\| 20/20 \[", bars[0]), lines
-    assert len(messages) == 5 and all(re.fullmatch(r"checkpoint step \d+ saved in demo/checkpoints/step-\d+ .*|"
-                                                   r"epoch 0 step 20 test: num_samples 500, .*", line)
-                                      for line in messages), lines
+    expected = (r"checkpoint step \d+ saved in demo/checkpoints/step-\d+: blocked .*|checkpoints: 4 saved; .*|"
+                r"epoch 0 step 20 test: num_samples 500, .*")
+    assert len(messages) == 5 and all(re.fullmatch(expected, line) for line in messages), lines
 
 
 def test_ctrl_c_in_a_wide_terminal_leaves_one_bar_and_the_stop_line_on_a_line_of_its_own(tmp_path):
@@ -339,7 +339,7 @@ def state_of(tmp_path, saved_world_size=None, trackers=(), **settings):
     config = load_config("mnist_cnn", [f"output_dir={tmp_path}", *(f"{k}={v}" for k, v in settings.items())])
     launch = {"world_size": 1, "device": "cpu", "mixed_precision": "no"}
     return State(config, Progress(steps_per_epoch=10, total_steps=30), ResumePoint(saved_world_size=saved_world_size),
-                 launch, (0, 0), Data(None, 10, (1, 28, 28), ["0"] * 10), tuple(trackers))
+                 launch, (0, 0), Data(None, 10, (1, 28, 28), ["0"] * 10), tuple(trackers), tmp_path)
 
 
 def test_the_start_line_says_a_resume_at_another_world_size_once(tmp_path):

@@ -83,9 +83,11 @@ def launch(num_processes: int, *args: str, profile: str = "multi_gpu.yaml", time
     result = run_command(_launch_command(num_processes, args, profile, script, launcher_args), timeout, check, env)
     output_dir = next((arg.split("=", 1)[1] for arg in args if arg.startswith("output_dir=")), None)
     if args[:1] == ("train",) and result.returncode == 0 and output_dir:
+        import fsspec
         import yaml
 
-        run = yaml.safe_load((Path(output_dir) / "config.yaml").read_text())["run"]
+        with fsspec.open(f"{output_dir.rstrip('/')}/config.yaml", "r") as config:  # a local folder or a URL
+            run = yaml.safe_load(config.read())["run"]
         assert run["world_size"] == num_processes, (run, result.stderr[-2000:])
     return result
 

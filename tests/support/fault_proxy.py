@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-FAULTS = ("503", "reset", "truncate", "short")
+FAULTS = ("503", "reset", "truncate", "short", "hold")
 
 # What S3 answers when a prefix is asked too fast; botocore reads the code, s3fs the code or the message.
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -78,6 +78,8 @@ class FaultProxy:
         self._lock = threading.RLock()  # a `match` may read the counts
         self._records: list[Request] = []
         self._pending: list[_Pending] = []
+        self.holding = threading.Event()  # a request is held ("hold"), not yet forwarded
+        self._released = threading.Event()
         self._clients: set[socket.socket] = set()
         self._accepted = 0
         self._threads: set[threading.Thread] = set()
@@ -160,7 +162,9 @@ class FaultProxy:
         request is read, before any answer, not forwarded; "truncate": forwarded, and the answer's head goes out
         whole (its Content-Length too) but only the first half of its body, then the connection is closed;
         "short": forwarded, and the answer says it is half as long as it is and is that half (a body cut short
-        that no client can tell from a whole one: only a check of the bytes finds it).
+        that no client can tell from a whole one: only a check of the bytes finds it); "hold": not answered (nor
+        forwarded) until release() (`holding` is set meanwhile), then forwarded: an upload that takes as long as a
+        test needs, to kill its client in the middle.
         Faults injected earlier are taken first."""
         if kind not in FAULTS:
             raise ValueError(f"unknown fault {kind!r}: one of {FAULTS}")
@@ -173,6 +177,10 @@ class FaultProxy:
         """Forget the faults not applied yet."""
         with self._lock:
             self._pending.clear()
+
+    def release(self) -> None:
+        """Forward the held requests (and those held from now on at once)."""
+        self._released.set()
 
     def pending_faults(self) -> int:
         """How many requests the faults injected and not applied yet would still hit."""
@@ -206,6 +214,8 @@ class FaultProxy:
         with self._lock:
             self._records.clear()
             self._pending.clear()
+        self._released.set()  # a request still held from the last test goes on
+        self._released, self.holding = threading.Event(), threading.Event()
 
     def object_gets(self, prefix: str = "") -> list[Request]:
         """The GETs of objects under `prefix` (an s3:// URL, "bucket/key..." or "/bucket/key...") that the store
@@ -296,6 +306,9 @@ class FaultProxy:
             self._record(Request(**seen, status=503, body_bytes=len(error), fault=fault))
             client.sendall(_head(503, "Slow Down", reply) + error)
             return keep_alive
+        if fault == "hold":
+            self.holding.set()
+            self._released.wait(timeout=300)
         response = upstream.forward(method, target, headers, body)
         data = response.read()  # the whole body: http.client undoes a chunked encoding, which is re-done below
         chunked = "chunked" in (response.getheader("Transfer-Encoding") or "").lower()
@@ -313,7 +326,7 @@ class FaultProxy:
                          [(name, str(len(data)) if name.lower() == "content-length" else value)
                           for name, value in reply + ([] if keep_alive else [("Connection", "close")])])
         self._record(Request(**seen, status=response.status, body_bytes=len(data), fault=fault))
-        client.sendall(head + _framed(data, chunked, end=fault is None))
+        client.sendall(head + _framed(data, chunked, end=fault in (None, "hold")))
         if fault == "truncate":
             client.shutdown(socket.SHUT_RDWR)  # a close, not a reset: the client reads a body that ends early
             return False

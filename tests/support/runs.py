@@ -4,6 +4,7 @@ crash-then-resume that many contracts compare with an uninterrupted run."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,11 @@ def assert_same_weights(out: Path, reference: Path, weights: tuple[str, ...] = (
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
 
 
-def crash_after_checkpoint_then_resume(step: int, recipe: str, *overrides: str, resume: str = "auto") -> None:
-    """Train in this process, fail right after the checkpoint of `step` is saved, then train again with
-    resume=auto (or the checkpoint `resume` names), as a user would after a crash.
+def crash_after_checkpoint_then_resume(step: int, recipe: str, *overrides: str, resume: str = "auto",
+                                       between: Callable[[], None] | None = None) -> None:
+    """Train in this process, fail once the checkpoint of `step` is committed (the loop learns it at its next save,
+    or at the end: saves are written in the background), then train again with resume=auto (or the checkpoint
+    `resume` names), as a user would after a crash; `between()` runs between the two.
 
     The second run must have started where that checkpoint left off (assert_resumed_from)."""
     from accel_train import hooks
@@ -49,6 +52,8 @@ def crash_after_checkpoint_then_resume(step: int, recipe: str, *overrides: str, 
 
     with pytest.raises(Crash), hooks.added(RaiseAfterSave(step)):
         train_in_process(recipe, *overrides)
+    if between is not None:
+        between()
     out = Path(next(arg.split("=", 1)[1] for arg in overrides if arg.startswith("output_dir=")))
     if resume == "auto":
         resumed_from = newest_checkpoint_step(out)

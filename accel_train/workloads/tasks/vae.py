@@ -12,8 +12,6 @@ random state of each process and are the same at any world size.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,7 +122,7 @@ class VAETask(Task):
         return WithComputeArgs(in_memory(MeanValues, TERMS))
 
     def observers(self, config: Config) -> list[Observer]:
-        return [VAEPictures(self, config.output_dir)]
+        return [VAEPictures(self)]
 
     def _pictures(self, model, images, logits) -> dict[str, torch.Tensor]:
         from accelerate.utils import extract_model_from_parallel
@@ -145,8 +143,8 @@ class VAEPictures(Observer):
 
     columns = 8
 
-    def __init__(self, task: VAETask, output_dir: str) -> None:
-        self.task, self.folder = task, Path(output_dir) / "images"
+    def __init__(self, task: VAETask) -> None:
+        self.task = task
 
     def on_eval(self, state: State, metrics: dict, split: str) -> None:
         from torchvision.utils import save_image
@@ -155,12 +153,13 @@ class VAEPictures(Observer):
         if not pictures:
             return
         columns = min(self.columns, len(pictures["inputs"]))
-        with writing(self.folder, "drawing the VAE's pictures"):
-            self.folder.mkdir(parents=True, exist_ok=True)
+        folder = state.folder / "images"
+        with writing(folder, "drawing the VAE's pictures"):
+            folder.mkdir(parents=True, exist_ok=True)
             step = state.progress.step
             save_image(pairs_of_rows(pictures["inputs"], pictures["reconstructions"], columns),
-                       self.folder / f"reconstructions_step{step:06d}.png", nrow=columns, pad_value=1.0)
-            save_image(pictures["samples"], self.folder / f"samples_step{step:06d}.png", nrow=self.columns,
+                       folder / f"reconstructions_step{step:06d}.png", nrow=columns, pad_value=1.0)
+            save_image(pictures["samples"], folder / f"samples_step{step:06d}.png", nrow=self.columns,
                        pad_value=1.0)
 
 

@@ -1,0 +1,236 @@
+"""Where a run folder's bytes live. output_dir is a local folder, or a URL (s3://, gs://, az://): then each process
+writes the run into a staging folder on its own machine's disk, and its Mirror brings what changed to the store in
+the background, one upload at a time in the order asked (a checkpoint's manifest after its objects, metrics.jsonl
+before the manifest that counts on its lines).
+
+The store holds the truth. A start empties its staging folder and pulls the run's files and the manifests of its
+checkpoints back from the store; a checkpoint's objects come down only when it is resumed. Staging belongs to the
+implementation: the end of a run removes it, and the next start on the machine replaces whatever a crash left.
+Readers (eval, predict, train RUN, runs, plot) work on a copy of a run at a URL in a read cache (`readable_run`).
+
+metrics.jsonl and starts.jsonl reach the store at most `SYNC_EVERY_S` after a line is written, before each
+checkpoint is committed (so a resume finds every line its checkpoint had seen), and at the end of the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from accel_train.config import CONFIG_FILE
+from accel_train.console import say
+from accel_train.distributed.environment import launcher_environment, staging_root
+from accel_train.run.layout import (
+    BEST_FILE,
+    CHECKPOINT_META_FILE,
+    CHECKPOINTS_DIR,
+    CLASSES_FILE,
+    CURVES_FILE,
+    EMA_FILE,
+    METRICS_FILE,
+    MODEL_FILE,
+    STARTS_FILE,
+    TRACKERS_DIR,
+)
+from accel_train.storage import Store, StoreUnavailable, check_location, is_remote
+
+SYNC_EVERY_S = 10.0  # how stale the store's metrics.jsonl may be while a run trains
+PULLED = (CONFIG_FILE, METRICS_FILE, STARTS_FILE, CLASSES_FILE)  # what a start needs of the run, beside its trackers
+READ_FILES = (*PULLED, MODEL_FILE, EMA_FILE, BEST_FILE, CURVES_FILE)  # what eval, predict, runs and plot read
+
+
+def local_dir(output_dir: str | Path) -> Path:
+    """The folder this process writes the run into: output_dir itself, or for a URL this process's staging folder."""
+    if not is_remote(str(output_dir)):
+        return Path(output_dir)
+    return _staging_of(str(output_dir)) / f"process-{launcher_environment().rank}"
+
+
+def _staging_of(url: str) -> Path:
+    return staging_root() / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Worker:
+    """Jobs run one at a time, in the order submitted, on a daemon thread: an upload that outlasts the end's bound
+    must not hold the process (ThreadPoolExecutor's threads are joined at exit)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.jobs, self.thread = name, queue.Queue(), None
+
+    def submit(self, action: Callable, *args) -> Future:
+        future = Future()
+        self.jobs.put((future, action, args))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, args=(self.jobs,), name=self.name, daemon=True)
+            self.thread.start()
+        return future
+
+    def idle_within(self, seconds: float) -> bool:
+        """Whether every job submitted so far ends within `seconds`."""
+        try:
+            self.submit(lambda: None).result(timeout=seconds)
+        except FutureTimeout:
+            return False
+        return True
+
+    def close(self) -> None:
+        """The thread ends once the jobs submitted so far are done (a later submit starts another)."""
+        if self.thread is not None:
+            self.jobs.put(None)
+            self.jobs, self.thread = queue.Queue(), None
+
+    @staticmethod
+    def _run(jobs: queue.Queue) -> None:
+        while (job := jobs.get()) is not None:
+            future, action, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(action(*args))
+                except BaseException as err:  # handed to whoever waits for the job
+                    future.set_exception(err)
+            del job, future, action, args  # nothing of a finished job (its run, its loaders) is kept alive here
+
+
+class Mirror:
+    """One process's staging folder of a run at a URL, and the uploads that keep the store up to date with it."""
+
+    def __init__(self, url: str, patience_s: float) -> None:
+        self.url, self.staging = url.rstrip("/"), local_dir(url)
+        self.store = Store(self.url, "output_dir", patience_s)
+        self.worker = Worker("accel-train upload")
+        self.sent: dict[str, tuple[int, int]] = {}  # staged file -> (size, mtime) of what the store has
+        self.partial_checkpoints: list[str] = []
+        self.last_sync, self.sync_pending, self.warned = 0.0, False, False
+
+    def pull(self) -> None:
+        """Staging as the store has the run: its files and trackers, and each committed checkpoint's manifest."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True)
+        objects = self.store.files()
+        committed = {name.split("/")[1] for name in objects if name.count("/") == 2
+                     and name.startswith(f"{CHECKPOINTS_DIR}/") and name.endswith(f"/{CHECKPOINT_META_FILE}")}
+        self.partial_checkpoints = sorted({name.split("/")[1] for name in objects if name.count("/") >= 2
+                                           and name.startswith(f"{CHECKPOINTS_DIR}/")} - committed)
+        for name in objects:
+            if name in PULLED or name.startswith(f"{TRACKERS_DIR}/") or (
+                    name.startswith(f"{CHECKPOINTS_DIR}/") and name.split("/")[1] in committed and
+                    name.endswith(f"/{CHECKPOINT_META_FILE}") and name.count("/") == 2):
+                self.store.get(name, self.staging / name)
+                self._mark_sent(name)
+
+    def _mark_sent(self, name: str) -> None:
+        stat = (self.staging / name).stat()
+        self.sent[name] = (stat.st_size, stat.st_mtime_ns)
+
+    def sync(self) -> None:
+        """On the worker: every staged file of the run that changed since the store last got it (checkpoints go
+        by their own commit). A store that is down is said once; the next sync tries again."""
+        self.sync_pending = False
+        for path in sorted(self.staging.rglob("*")):
+            name = path.relative_to(self.staging).as_posix()
+            if not path.is_file() or name.startswith(f"{CHECKPOINTS_DIR}/") or any(part.startswith(".")
+                                                                              for part in name.split("/")):
+                continue
+            stat = path.stat()
+            if self.sent.get(name) != (stat.st_size, stat.st_mtime_ns):
+                try:
+                    self.store.put(path, name)
+                except StoreUnavailable as err:
+                    self.warn(f"{err}; the run goes on and tries again")
+                    return
+                self.sent[name] = (stat.st_size, stat.st_mtime_ns)
+
+    def sync_soon(self) -> None:
+        """A sync, unless one is waiting or the last began less than SYNC_EVERY_S ago (called at each line)."""
+        if not self.sync_pending and time.monotonic() - self.last_sync >= SYNC_EVERY_S:
+            self.sync_pending, self.last_sync = True, time.monotonic()
+            self.worker.submit(self.sync)
+
+    def drain(self, bound_s: float) -> bool:
+        """A last sync, and every upload asked for, within `bound_s`; says so when the bound passes."""
+        self.worker.submit(self.sync)
+        if self.worker.idle_within(bound_s):
+            shutil.rmtree(self.staging, ignore_errors=True)
+            return True
+        self.warn(f"uploads to {self.url} still under way after {bound_s:.0f} s (checkpoint.upload_wait_s); ending "
+                  f"without them: the store has the run up to its newest committed checkpoint, and resume=auto "
+                  f"continues from there")
+        return False
+
+    def warn(self, text: str) -> None:
+        if not self.warned:
+            self.warned = True
+            say(f"accel-train: warning: {text}", error=True)
+
+
+_mirrors: dict[str, Mirror] = {}
+
+
+def open_run(output_dir: str, patience_s: float) -> None:
+    """Before anything reads the run folder: for a URL, the store is checked (credentials, bucket: one line, exit 2)
+    and this process's staging folder pulled from it."""
+    if not is_remote(output_dir):
+        return
+    check_location(output_dir, "output_dir")
+    mirror = Mirror(output_dir, patience_s)
+    mirror.store.names()  # access problems answer here, before any data loads
+    mirror.pull()
+    _mirrors[output_dir.rstrip("/")] = mirror
+
+
+def mirror_of(output_dir: str | Path) -> Mirror | None:
+    """The Mirror this process opened for output_dir; None for a local folder."""
+    return _mirrors.get(str(output_dir).rstrip("/")) if is_remote(str(output_dir)) else None
+
+
+def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
+    """A run folder to read: a local path as it is; a URL copied (those of its files that exist) into the read
+    cache, refreshed at each call."""
+    if not is_remote(location):
+        return Path(location)
+    check_location(location, "run")
+    store, copy = Store(location, "run"), _read_cache(location)
+    _copy_run(store, "", copy, files, set(store.names()))
+    return copy
+
+
+def readable_runs(location: str) -> Path:
+    """A folder holding runs, or one run: a local path as it is; at a URL, every run under it (a folder with
+    config.yaml and metrics.jsonl) copied into the read cache in the same tree, without its weights."""
+    if not is_remote(location):
+        return Path(location)
+    check_location(location, "runs")
+    store, copy = Store(location, "runs"), _read_cache(location)
+    present = set(store.files())
+    for config in sorted(name for name in present if name.rsplit("/", 1)[-1] == CONFIG_FILE):
+        prefix = config[:-len(CONFIG_FILE)]
+        if f"{prefix}{METRICS_FILE}" in present and not prefix.count(f"/{CHECKPOINTS_DIR}/"):
+            _copy_run(store, prefix, copy / prefix, (*PULLED, CURVES_FILE), present, prefix)
+    return copy
+
+
+def _read_cache(location: str) -> Path:
+    """A copy's folder, named as the URL's last part (the name `runs` and `plot` show)."""
+    return staging_root() / "read" / _staging_of(location).name / location.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _copy_run(store: Store, prefix: str, copy: Path, files: tuple[str, ...], present: set[str],
+              listed_as: str = "") -> None:
+    for name in files:
+        if f"{listed_as}{name}" in present:
+            store.get(f"{prefix}{name}", copy / name)

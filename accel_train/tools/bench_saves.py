@@ -1,0 +1,78 @@
+"""`accel-train bench --saves [URL]`: how long a checkpoint holds training, saved in the background as a run saves
+it, against the synchronous save a hand-written loop does (accelerator.save_state, each file flushed to disk, then
+uploaded when the run folder is in a store).
+
+The model is the recipe's (default: ResNet-50 on CIFAR-10's shape, about 100 MB of weights), with AdamW's state
+after one step on random inputs: what a checkpoint holds. Each way is measured `repeats` times into a fresh folder;
+the medians are printed, one line each, and returned.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from accel_train.config import load_config
+from accel_train.console import say
+from accel_train.run.location import Mirror, open_run
+
+
+def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats: int = 3) -> dict:
+    import torch
+
+    from accel_train.distributed.accelerator import make_accelerator
+    from accel_train.run.checkpoint import Checkpoints, _fsync
+    from accel_train.state import Progress
+    from accel_train.training.optim import build_optimizer
+    from accel_train.workloads.models import build_model
+
+    config = load_config(recipe, ["train.progress_bar=false", *overrides])
+    accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, [], None)
+    side = config.data.image_size or 32
+    model = build_model(config.model, config.data.num_classes or 10, (3, side, side))
+    optimizer = build_optimizer(config.train, model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inputs = torch.randn(2, 3, side, side)
+    torch.nn.functional.cross_entropy(model(inputs), torch.tensor([0, 1])).backward()
+    optimizer.step()  # AdamW's state exists: a checkpoint's size
+    size_mb = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters()) / 2**20
+    scratch = Path(tempfile.mkdtemp(prefix="accel-train-bench-saves-"))
+    where = url or str(scratch)
+    say(f"bench --saves: {config.model.name}, {size_mb:.0f} MiB of weights plus AdamW's state, into {where}")
+    synchronous, blocked, total = [], [], []
+    try:
+        for repeat in range(repeats):
+            folder = scratch / f"sync-{repeat}"
+            began = time.perf_counter()
+            accelerator.save_state(str(folder))
+            for path in folder.iterdir():
+                _fsync(path)
+            if url:
+                mirror = Mirror(f"{url.rstrip('/')}/sync-{repeat}", config.data.store_patience_s)
+                for path in sorted(folder.iterdir()):
+                    mirror.store.put(path, path.name)
+            synchronous.append(time.perf_counter() - began)
+
+            run_url = f"{url.rstrip('/')}/background-{repeat}" if url else str(scratch / f"background-{repeat}")
+            run_config = load_config(recipe, ["train.progress_bar=false", *overrides, f"output_dir={run_url}"])
+            open_run(run_url, config.data.store_patience_s)
+            checkpoints = Checkpoints(run_config, accelerator)
+            began = time.perf_counter()
+            with checkpoints:
+                checkpoints.save(Progress(steps_per_epoch=1, total_steps=1, step=1), evaluated=False)
+                blocked.append(checkpoints.blocked_s)
+                checkpoints.settle()
+            total.append(time.perf_counter() - began)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result = {"synchronous_s": statistics.median(synchronous), "blocked_s": statistics.median(blocked),
+              "background_total_s": statistics.median(total)}
+    result["blocked_share"] = result["blocked_s"] / result["synchronous_s"]
+    say(f"synchronous save (save_state, flushed{', uploaded' if url else ''}): {result['synchronous_s']:.2f} s")
+    say(f"background save: training blocked {result['blocked_s']:.3f} s ({result['blocked_share']:.1%} of the "
+        f"synchronous save), written{' and uploaded' if url else ''} in {result['background_total_s']:.2f} s in all "
+        f"(medians of {repeats})")
+    return result
