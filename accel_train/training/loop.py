@@ -17,6 +17,7 @@ The same code runs on one CPU, one GPU, many GPUs and many machines; only the la
         --rdzv_conf join_timeout=600,last_call_timeout=30 -m accel_train train fashion_mnist_cnn \\
         output_dir=/shared/runs/fm resume=auto   # every machine: loses one and goes on (10.0.0.1 must survive)
     kubectl apply -f job.yaml   # Kubernetes: a copy of accelerate_configs/pytorchjob_elastic.yaml, edited
+    kubectl apply -f job.yaml   # the same with pytorchjob_store.yaml: the run folder in S3, no shared volume
 
 Before a multi-node run, `accel-train doctor` on each node names whatever would make the launch fail.
 

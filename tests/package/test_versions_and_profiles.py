@@ -106,4 +106,4 @@ def test_doctor_takes_a_profile_by_name_and_names_the_choices_for_neither_a_file
     wrong = run_cli("doctor", "--config_file", "multi-gpu", check=False)
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
         "accel-train: error: --config_file multi-gpu: no such file, and no shipped profile of that name "
-        "(cpu, fsdp, multi_gpu, multi_node, pytorchjob_elastic, single_gpu, slurm_multi_node)"]
+        "(cpu, fsdp, multi_gpu, multi_node, pytorchjob_elastic, pytorchjob_store, single_gpu, slurm_multi_node)"]
