@@ -219,7 +219,6 @@ def test_the_container_command_with_the_operators_environment_trains_both_pods_a
           f"{time.monotonic() - started:.1f} s")
 
 
-@pytest.mark.xfail(reason="output_dir at a URL lands with issue 40's core", strict=False)
 def test_the_store_profiles_command_with_the_operators_environment_trains_both_pods_as_one_run_in_the_bucket(
         object_store, tmp_path):
     job = documents(STORE)["PyTorchJob"]
