@@ -36,7 +36,7 @@ accel-train launch [--join_timeout S] ACCELERATE_LAUNCH_ARGS... -m accel_train t
 accel-train bench [--quick] [RECIPE] [KEY=VALUE ...]     our loop vs plain PyTorch, input pipeline, scaling, FLOP/s
 accel-train bench --shards URL [RECIPE] [KEY=VALUE ...]  shards in a store (cold, warm cache) vs ImageFolder vs
                                                          webdataset's loader, same images
-accel-train bench --saves [URL] [RECIPE] [KEY=VALUE ...] what a checkpoint save blocks: in the background vs
+accel-train bench --saves [--saves-into URL] [RECIPE]    what a checkpoint save blocks: in the background vs
                                                          synchronous (a local folder, or URL)
 accel-train --version                                    versions of accel-train, torch, torchvision, accelerate;
                                                          the devices visible
@@ -127,9 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("--shards", metavar="URL", help="instead: the input pipeline over the recipe's images as shards "
                        "at URL (cold and warm cache), as an ImageFolder tree, and through webdataset's loader")
-    bench.add_argument("--saves", metavar="URL", nargs="?", const="", help="instead: how long a checkpoint holds "
-                       "training, saved in the background against a synchronous save (into URL, or a local folder); "
-                       "recipe default cifar10_resnet50")
+    bench.add_argument("--saves", action="store_true", help="instead: how long a checkpoint holds training, saved "
+                       "in the background against a synchronous save (recipe default cifar10_resnet50)")
+    bench.add_argument("--saves-into", metavar="URL", help="with --saves: save into this folder or URL (s3://...) "
+                       "instead of a temporary local folder")
     bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
     bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     runs = subcommand("runs", help="table of runs: recipe, processes, precision, steps, best and final "
@@ -307,11 +308,11 @@ def _run(args: argparse.Namespace) -> None:
         if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
-        if args.saves is not None:
+        if args.saves:
             from accel_train.tools.bench_saves import run_saves_bench
 
             run_saves_bench(recipe if args.recipe != "fashion_mnist_fast" else "cifar10_resnet50", overrides,
-                            args.saves or None)
+                            args.saves_into)
             return
         if args.shards:
             from accel_train.tools.bench_shards import run_shards_bench

@@ -1,6 +1,6 @@
-"""`accel-train bench --saves [URL]`: how long a checkpoint holds training, saved in the background as a run saves
-it, against the synchronous save a hand-written loop does (accelerator.save_state, each file flushed to disk, then
-uploaded when the run folder is in a store).
+"""`accel-train bench --saves [--saves-into URL]`: how long a checkpoint holds training, saved in the background as a
+run saves it, against the synchronous save a hand-written loop does (accelerator.save_state, each file flushed to
+disk, then uploaded when the run folder is in a store).
 
 The model is the recipe's (default: ResNet-50 on CIFAR-10's shape, about 100 MB of weights), with its optimizer's state
 after one step on random inputs: what a checkpoint holds. The synchronous save is measured `repeats` times into fresh
