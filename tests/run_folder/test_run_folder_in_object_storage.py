@@ -127,12 +127,15 @@ def test_kill_9_during_an_upload_leaves_a_partial_checkpoint_the_next_start_igno
     url = object_store.url("runs/killed")
     args = [*RUN[:1], "mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=40",
             "train.batch_size=24", "train.epochs=2", "train.plot=false", "checkpoint.every_steps=2",
-            f"output_dir={url}", "resume=auto"]
+            "train.log_every_steps=1", f"output_dir={url}", "resume=auto"]
     object_store.proxy.inject("hold", match=lambda method, path: method == "PUT" and
                               "checkpoints/step-00000004/model.safetensors" in path)
     log = tmp_path / "killed.log"
     job = start([PYTHON, "-m", "accel_train", *args], log, env=machine(tmp_path, "a"))
-    wait_for(object_store.proxy.holding.is_set, job, log)
+    # Training goes on while the upload is held (it blocks at the next save, step 6): killed once step 5 is trained
+    wait_for(lambda: object_store.proxy.holding.is_set() and any(
+        json.loads(line)["step"] >= 5 for path in staged(tmp_path / "a") for line in path.read_text().splitlines()
+        if line.endswith("}")), job, log)
     job.kill()
     job.wait(timeout=30)
     object_store.proxy.release()
