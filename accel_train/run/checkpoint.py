@@ -261,6 +261,8 @@ class Checkpoints:
         parts = self._wait_for_parts(name, partial, progress.step)
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
             final = self._publish(progress, evaluated, partial, name, parts)
+        if self.mirror is not None:  # the store has them; staging keeps the manifest
+            shutil.rmtree(partial, ignore_errors=True)
         written = time.perf_counter() - started
         self.written_s += written
         size_mb = sum(meta_size for meta_size in _sizes(parts).values()) / 2**20
@@ -329,14 +331,14 @@ class Checkpoints:
             **({"sha256": {file: part[1] for file, part in parts.items()}} if self.mirror is not None else {}),
             "config": self.config.to_dict(),
         }
-        text = json.dumps(meta, indent=1)
+        text, final = json.dumps(meta, indent=1), self.directory / name
         if self.mirror is not None:
             self.mirror.sync()  # every line this checkpoint has seen is in the store before it counts
             self.mirror.store.write(f"{CHECKPOINTS_DIR}/{name}/{CHECKPOINT_META_FILE}", text.encode())
-            for path in partial.iterdir():  # the store has them: staging keeps the manifest only
-                path.unlink()
+            final.mkdir()  # staged: the manifest alone, for the checkpoints' order and retention
+            _write_synced(final / CHECKPOINT_META_FILE, text)
+            return final
         _write_synced(partial / CHECKPOINT_META_FILE, text)
-        final = self.directory / name
         os.replace(partial, final)
         _fsync(self.directory)
         return final

@@ -63,11 +63,12 @@ MUTATIONS = [
              "                write(files, partial)\n",
              ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_from_that_checkpoint_of_its_own_folder_as_if_never_interrupted",
               "tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
-    Mutation("a checkpoint's manifest written before its objects are in the store (their uploads left running)",
-             "accel_train/run/checkpoint.py",
-             "            store.put(path, f\"{CHECKPOINTS_DIR}/{name}/{path.name}\")\n",
-             "            __import__(\"threading\").Thread(target=store.put, args=(path, f\"{CHECKPOINTS_DIR}/{name}/"
-             "{path.name}\")).start()\n",
+    Mutation("a checkpoint's manifest written before its objects are uploaded",
+             "accel_train/run/checkpoint.py", "            self._upload_part(name, mine)\n",
+             "            if accelerator.is_main_process:\n"
+             "                self._publish(progress, evaluated, partial, name, {path.name: [path.stat().st_size, "
+             "sha256_of(path)] for path in mine})\n"
+             "            self._upload_part(name, mine)\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::test_kill_9_during_an_upload_leaves_a_partial_checkpoint_the_next_start_ignores_saying_so",)),
     Mutation("retention makes room before a save (the checkpoint a start resumed from deleted before a newer one is "
              "committed, as Lightning #21813)",
