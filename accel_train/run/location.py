@@ -200,12 +200,18 @@ def mirror_of(output_dir: str | Path) -> Mirror | None:
 
 def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
     """A run folder to read: a local path as it is; a URL copied (those of its files that exist) into the read
-    cache, refreshed at each call."""
+    cache, refreshed at each call. A checkpoint's URL (RUN/checkpoints/step-N) is copied with its run's files, into
+    the same place under the run's copy."""
     if not is_remote(location):
         return Path(location)
     check_location(location, "run")
-    store, copy = Store(location, "run"), _read_cache(location)
+    run_url, _, checkpoint = location.rstrip("/").partition(f"/{CHECKPOINTS_DIR}/")
+    store, copy = Store(run_url, "run"), _read_cache(run_url)
     _copy_run(store, "", copy, files, set(store.names()))
+    if checkpoint:
+        prefix = f"{CHECKPOINTS_DIR}/{checkpoint}/"
+        _copy_run(store, prefix, copy / prefix, (CHECKPOINT_META_FILE, MODEL_FILE), set(store.names(prefix)), "")
+        return copy / prefix
     return copy
 
 

@@ -103,10 +103,13 @@ def finished_run(object_store, tmp_path):
     return url
 
 
-def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url(finished_run, object_store, tmp_path):
+def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_checkpoints_url(
+        finished_run, object_store, tmp_path):
     final = read_metrics(download(object_store, finished_run, tmp_path / "copy"), "test")[-1]
     evaluated = last_json_line(run_cli("eval", finished_run, env=machine(tmp_path, "reader")).stdout)
     assert evaluated["accuracy"] == final["accuracy"] and evaluated["num_samples"] == final["num_samples"] == 40
+    checkpoint = f"{finished_run}/checkpoints/step-00000004"  # the last step's: the final weights
+    assert last_json_line(run_cli("eval", checkpoint, env=machine(tmp_path, "reader")).stdout) == evaluated
     images = tmp_path / "images"
     images.mkdir()
     for index in range(3):
