@@ -61,3 +61,16 @@ def test_bench_shards_reads_the_same_images_four_ways_and_counts_the_bytes_each_
     blocks = sum(shard.end - shard.offsets[0] for shard in index.shards)
     assert [row["store_bytes"] for row in rows.values()] == [blocks, 0, 0, index.bytes]
     assert (tmp_path / "bench" / "bench_shards.md").read_text() in result.stdout
+
+
+def test_bench_saves_times_a_synchronous_save_and_a_background_one_into_the_store(object_store):
+    url = object_store.url("saves")
+    result = run_cli("bench", "--saves", "--saves-into", url, "mnist_cnn")
+    lines = result.stdout.splitlines()
+    synchronous = [line for line in lines if line.startswith("synchronous save (save_state, flushed, uploaded): ")]
+    background = [line for line in lines if line.startswith("background save: training blocked ")]
+    assert len(synchronous) == len(background) == 1, result.stdout[-2000:]
+    assert "% of the synchronous save; the run's first save " in background[0]
+    assert "written and uploaded in " in background[0] and "(medians of 3)" in background[0]
+    uploaded = {path.split("/")[2] for path in object_store.fs().find(f"{object_store.bucket}/saves")}
+    assert {"sync-0", "sync-1", "sync-2", "background"} <= uploaded, uploaded  # both ways reached the store
