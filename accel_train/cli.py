@@ -432,7 +432,9 @@ def plot_output(folders: list[str], found: list) -> Path:
 
 
 def _sweep(args: argparse.Namespace) -> None:
-    from accel_train.sweep.runner import Sweep, run_sweep
+    from accel_train.run.location import open_folder
+    from accel_train.storage import PATIENCE_S, is_remote
+    from accel_train.sweep.runner import LOCK_FILE, Sweep, run_sweep
     from accel_train.sweep.space import parse_space
 
     if args.trials < 1 or args.startup_trials < 0:
@@ -441,10 +443,17 @@ def _sweep(args: argparse.Namespace) -> None:
     if "resume" in given:
         raise UserError("sweep: resume is the sweep's to set (each trial runs with resume=auto); leave it out")
     parameters, fixed = parse_space(overrides)
-    folder = Path(given.get("output_dir") or Path("sweeps") / Path(args.recipe.rstrip("/")).stem)
-    run_sweep(Sweep(args.recipe, sorted(parameters, key=lambda p: p.key), fixed, args.metric, args.direction or "max",
-                    args.seed, args.startup_trials, args.pruner, args.trials, folder, args.launch,
-                    given_direction=args.direction is not None))
+    folder = given.get("output_dir") or str(Path("sweeps") / Path(args.recipe.rstrip("/")).stem)
+    # A sweep folder at a URL: mirrored whole (its study, logs and trial runs) from this machine's staging
+    mirror = open_folder(folder, PATIENCE_S, ignore=(LOCK_FILE,)) if is_remote(folder) else None
+    try:
+        run_sweep(Sweep(args.recipe, sorted(parameters, key=lambda p: p.key), fixed, args.metric,
+                        args.direction or "max", args.seed, args.startup_trials, args.pruner, args.trials,
+                        mirror.staging if mirror else Path(folder), args.launch,
+                        given_direction=args.direction is not None, mirror=mirror))
+    finally:
+        if mirror is not None:  # however the sweep ends, the store gets all of it
+            mirror.drain(PATIENCE_S * 10)
 
 
 # Arguments a command takes as NAME=VALUE beside the config overrides: name -> what it is (None: optional).

@@ -107,10 +107,14 @@ class Worker:
 
 
 class Mirror:
-    """One process's staging folder of a run at a URL, and the uploads that keep the store up to date with it."""
+    """One process's staging folder of a run at a URL, and the uploads that keep the store up to date with it.
 
-    def __init__(self, url: str, patience_s: float) -> None:
-        self.url, self.staging = url.rstrip("/"), local_dir(url)
+    `whole`: a folder mirrored file for file, both ways (a sweep's: its study and its trials, each a run folder
+    inside): a start pulls all of it, and a sync uploads every file that changed, each checkpoint's checkpoint.json
+    after its other files, and removes from the store what staging no longer has."""
+
+    def __init__(self, url: str, patience_s: float, whole: bool = False, ignore: tuple[str, ...] = ()) -> None:
+        self.url, self.staging, self.whole, self.ignore = url.rstrip("/"), local_dir(url), whole, ignore
         self.store = Store(self.url, "output_dir", patience_s)
         self.worker = Worker("accel-train upload")
         self.sent: dict[str, tuple[int, int]] = {}  # staged file -> (size, mtime) of what the store has
@@ -122,6 +126,11 @@ class Mirror:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
         objects = self.store.files()
+        if self.whole:
+            for name in objects:
+                self.store.get(name, self.staging / name)
+                self._mark_sent(name)
+            return
         committed = {name.split("/")[1] for name in objects if name.count("/") == 2
                      and name.startswith(f"{CHECKPOINTS_DIR}/") and name.endswith(f"/{CHECKPOINT_META_FILE}")}
         self.partial_checkpoints = sorted({name.split("/")[1] for name in objects if name.count("/") >= 2
@@ -141,19 +150,26 @@ class Mirror:
         """On the worker: every staged file of the run that changed since the store last got it (checkpoints go
         by their own commit). A store that is down is said once; the next sync tries again."""
         self.sync_pending = False
-        for path in sorted(self.staging.rglob("*")):
-            name = path.relative_to(self.staging).as_posix()
-            if not path.is_file() or name.startswith(f"{CHECKPOINTS_DIR}/") or any(part.startswith(".")
-                                                                              for part in name.split("/")):
-                continue
-            stat = path.stat()
-            if self.sent.get(name) != (stat.st_size, stat.st_mtime_ns):
-                try:
+        staged = sorted(self.staging.rglob("*"), key=lambda path: (path.parent, path.name == CHECKPOINT_META_FILE,
+                                                                   path.name))
+        present = set()
+        try:
+            for path in staged:
+                name = path.relative_to(self.staging).as_posix()
+                if not path.is_file() or name in self.ignore or any(part.startswith(".") for part in name.split("/")) \
+                        or (not self.whole and name.startswith(f"{CHECKPOINTS_DIR}/")):
+                    continue
+                present.add(name)
+                stat = path.stat()
+                if self.sent.get(name) != (stat.st_size, stat.st_mtime_ns):
                     self.store.put(path, name)
-                except StoreUnavailable as err:
-                    self.warn(f"{err}; the run goes on and tries again")
-                    return
-                self.sent[name] = (stat.st_size, stat.st_mtime_ns)
+                    self.sent[name] = (stat.st_size, stat.st_mtime_ns)
+            for name in sorted(set(self.sent) - present, key=lambda name: not name.endswith(CHECKPOINT_META_FILE)) \
+                    if self.whole else []:  # a pruned checkpoint: uncommitted first
+                self.store.remove(name)
+                del self.sent[name]
+        except StoreUnavailable as err:
+            self.warn(f"{err}; the run goes on and tries again")
 
     def sync_soon(self) -> None:
         """A sync, unless one is waiting or the last began less than SYNC_EVERY_S ago (called at each line)."""
@@ -191,6 +207,16 @@ def open_run(output_dir: str, patience_s: float) -> None:
     mirror.store.names()  # access problems answer here, before any data loads
     mirror.pull()
     _mirrors[output_dir.rstrip("/")] = mirror
+
+
+def open_folder(url: str, patience_s: float, ignore: tuple[str, ...] = ()) -> Mirror:
+    """A folder at a URL mirrored whole into this machine's staging (a sweep's): checked, pulled, and registered."""
+    check_location(url, "output_dir")
+    mirror = Mirror(url, patience_s, whole=True, ignore=ignore)
+    mirror.store.names()  # access problems answer here
+    mirror.pull()
+    _mirrors[url.rstrip("/")] = mirror
+    return mirror
 
 
 def mirror_of(output_dir: str | Path) -> Mirror | None:

@@ -22,6 +22,7 @@ import yaml
 from accel_train.config import Config
 from accel_train.console import say
 from accel_train.errors import NothingCompleted, Preempted, UserError
+from accel_train.run.location import Mirror
 from accel_train.run.summaries import duration
 from accel_train.sweep import results
 from accel_train.sweep.results import SWEEP_FILE
@@ -51,6 +52,7 @@ class Sweep:
     folder: Path
     launch: str | None = None
     given_direction: bool = field(default=True, repr=False)
+    mirror: Mirror | None = field(default=None, repr=False)  # output_dir at a URL: `folder` is its staging
 
     def record(self) -> dict:
         return {"recipe": self.recipe, "search": [p.spelled for p in self.parameters], "fixed": list(self.fixed),
@@ -132,6 +134,8 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
                 pruned = report(sweep, study, trial, process, len(evaluations), line) or pruned
             if code is not None:
                 break
+            if sweep.mirror is not None:  # the trial's lines and the study, at most SYNC_EVERY_S behind
+                sweep.mirror.sync_soon()
             time.sleep(POLL_S)
     except (KeyboardInterrupt, Interrupted) as stop:
         name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else "SIGTERM"

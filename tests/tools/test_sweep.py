@@ -7,6 +7,7 @@ the median pruner has something to decide.
 
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -262,3 +263,27 @@ def test_parameters_png_shows_a_choices_values_in_the_order_the_command_gave_the
     assert [label.get_text() for label in axes.get_xticklabels()] == ["64", "128", "256"]
     placed = {tuple(point) for collection in axes.collections[:1] for point in collection.get_offsets().tolist()}
     assert placed == {(2.0, 0.8), (0.0, 0.7), (1.0, 0.9)}
+
+
+def test_a_sweep_in_object_storage_stopped_mid_trial_goes_on_from_the_store_on_another_machine(object_store, tmp_path):
+    url = object_store.url("sweeps/fm")
+    command = [PYTHON, "-m", "accel_train", *SWEEP, "--trials", "2", f"output_dir={url}",
+               "checkpoint.at_epoch_end=false"]
+    log = tmp_path / "sweep.log"
+    sweep = start(command, log, env={"ACCEL_TRAIN_STAGING": str(tmp_path / "machine-a")})
+    wait_for(lambda: "trial 0: evaluation 2 " in log.read_text(), log, sweep)
+    sweep.send_signal(signal.SIGTERM)  # the trial saves; the sweep uploads all it has before it ends
+    assert sweep.wait(timeout=120) == 75, log.read_text()[-3000:]
+    assert not list((tmp_path / "machine-a").rglob("study.journal")), "the stopped machine's staging is left"
+    second = run_cli(*command[3:], env={"ACCEL_TRAIN_STAGING": str(tmp_path / "machine-b")}, timeout=600).stdout
+    assert re.search(r"^trial 0: train.label_smoothing=\S+ train.lr=\S+ \(resumed\)", second, re.MULTILINE), second
+    copy = tmp_path / "copy"
+    object_store.fs().get(f"{object_store.bucket}/sweeps/fm/", str(copy), recursive=True)
+    starts = [json.loads(line) for line in (copy / "trial-0000" / "starts.jsonl").read_text().splitlines()]
+    assert len(starts) == 2 and starts[1]["step"] > 0, starts  # trial 0 resumed from its checkpoint in the store
+    steps = train_steps(copy / "trial-0000")
+    assert steps == sorted(set(steps)) and steps[-1] == 30
+    trials = study_trials(copy)
+    assert len(trials) == 2 and all(t.state.is_finished() for t in trials)
+    listed = run_cli("runs", url).stdout
+    assert "trial-0000" in listed and "trial-0001" in listed, listed
