@@ -55,7 +55,9 @@ class Hooks:
         """A checkpoint of `progress.step` is about to be saved (every process is here)."""
 
     def checkpoint_saved(self, progress, folder) -> None:
-        """The checkpoint of `progress.step` is complete in `folder`."""
+        """The checkpoint of `progress.step` is committed at `folder` (a path, or a URL for a run folder in a store).
+        Saves are written in the background: this runs on the training thread at the first point that waits for the
+        commit (the next save, or the end of the run), on every process (where this process's part is done)."""
 
     def process_ends(self, code: int) -> bool:
         """A stuck process is about to end itself (os._exit) with `code`; False keeps it running (a test that trains

@@ -12,12 +12,17 @@ loads every part in place; adding a part is one entry. A checkpoint resumes at a
 state differs per process (the train meter's partial sums) says how the saved processes' states merge
 (`merge_states`); any other part is the same on every process.
 
-A checkpoint is written as `.partial-step-N` and renamed when complete, so a crash at any moment leaves the
-previous checkpoints or the complete new one. Checkpoints are found and ordered by
-their checkpoint.json, never by name.
+A save holds training only while each process copies its part into host memory (run/snapshot.py); a worker
+thread writes it as `.partial-step-N` (and, for a run folder at a URL, uploads it: run/location.py) and marks it
+complete. The main process commits the checkpoint once every part is there, with no collective off the training
+thread: locally checkpoint.json is written and the folder renamed; in a store the manifest, checkpoint.json with each
+object's size and sha256, is written after every object and after metrics.jsonl. A crash at any moment leaves the
+previous checkpoints or the complete new one. Checkpoints are found and ordered by their checkpoint.json, never by
+name; retention deletes only committed ones, after a newer one is committed.
 
-The loop asks whether a step is to be saved (`due`: the manager decides) and calls `save`; `resume` restores the
-parts and returns where training continues as a ResumePoint. Loading goes through `accelerator.load_state` with
+The loop asks whether a step is to be saved (`due`: the manager decides) and calls `save`, which first waits for the
+previous save; the end of the run waits for the last (`with Checkpoints`). `resume` restores the parts and returns
+where training continues as a ResumePoint. Loading goes through `accelerator.load_state` with
 `weights_only=True` (safetensors for the model): nothing in a checkpoint can run code when it is read.
 """
 

@@ -126,6 +126,7 @@ def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_c
     assert read_metrics(download(object_store, again, tmp_path / "again"), "test")[-1]["num_samples"] == 40
 
 
+@pytest.mark.floors  # s3fs, accelerate and torch at their floors: the upload, the manifest, the fetch
 def test_kill_9_during_an_upload_leaves_a_partial_checkpoint_the_next_start_ignores_saying_so(object_store, tmp_path):
     url = object_store.url("runs/killed")
     args = [*RUN[:1], "mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=40",
