@@ -54,6 +54,10 @@ class Sweep:
     given_direction: bool = field(default=True, repr=False)
     mirror: Mirror | None = field(default=None, repr=False)  # output_dir at a URL: `folder` is its staging
 
+    def shown(self, text: str | Path) -> str:
+        """A path (or a line naming paths) of the sweep folder as the user gave it: its URL where it is staged."""
+        return str(text).replace(str(self.folder), self.mirror.url) if self.mirror is not None else str(text)
+
     def record(self) -> dict:
         return {"recipe": self.recipe, "search": [p.spelled for p in self.parameters], "fixed": list(self.fixed),
                 "metric": self.metric, "direction": self.direction, "seed": self.seed,
@@ -85,7 +89,7 @@ def run_sweep(sweep: Sweep) -> None:
             best = "highest" if sweep.direction == "max" else "lowest"
             say(f"sweep: {sweep.trials} trial(s) of {sweep.recipe} ({done} done), searching "
                 f"{' '.join(p.spelled for p in sweep.parameters)} for the {best} {sweep.metric}; study in "
-                f"{sweep.folder}")
+                f"{sweep.shown(sweep.folder)}")
             for trial in unfinished(study):  # a stopped sweep's: continued from its newest checkpoint
                 run_trial(sweep, study, trial, prefix, lock_fd, resumed=True)
             while len(finished(study)) < sweep.trials:
@@ -99,10 +103,10 @@ def run_sweep(sweep: Sweep) -> None:
         signal.signal(signal.SIGTERM, previous)
     lines = results.summary(sweep.folder, pictures=True)
     for line in lines:
-        say(line)
+        say(sweep.shown(line))
     if lines[-1] == results.NONE_COMPLETED:
         raise NothingCompleted(f"sweep: none of the {sweep.trials} trial(s) completed, so the sweep has no result; "
-                               f"see each trial's error above and its log in {sweep.folder / LOGS_DIR}")
+                               f"see each trial's error above and its log in {sweep.shown(sweep.folder / LOGS_DIR)}")
 
 
 def _interrupt(signum, frame) -> None:
@@ -119,7 +123,8 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
     if not resumed:
         trial.set_user_attr("folder", folder.name)
     log = trial_log(sweep.folder, number)
-    say(f"trial {number}: {' '.join(values)}{' (resumed)' if resumed else ''}: {folder}, log {log}")
+    say(f"trial {number}: {' '.join(values)}{' (resumed)' if resumed else ''}: {sweep.shown(folder)}, log "
+        f"{sweep.shown(log)}")
     reported = set(frozen_trial(study, number).intermediate_values)
     process = TrialProcess(command, folder, log, lock_fd)
     process.start()
@@ -161,7 +166,7 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
         trial.set_user_attr("error", error)
         trial.set_user_attr("exit_code", code)
         tell(study, trial, "failed")
-        say(f"trial {number}: failed (exit {code}): {error}; log {log}")
+        say(f"trial {number}: failed (exit {code}): {error}; log {sweep.shown(log)}")
 
 
 def report(sweep: Sweep, study, trial, process: TrialProcess, ordinal: int, line: dict) -> bool:

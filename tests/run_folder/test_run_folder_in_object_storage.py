@@ -12,6 +12,7 @@ import json
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -196,13 +197,22 @@ def test_the_end_of_a_run_waits_for_its_last_upload(object_store, tmp_path):
     url = object_store.url("runs/end")
     held = "checkpoints/step-00000004/optimizer.bin"
     object_store.proxy.inject("hold", match=lambda method, path: method == "PUT" and held in path)
-    releaser = threading.Thread(target=lambda: object_store.proxy.holding.wait(120) and threading.Event().wait(2)
-                                or object_store.proxy.release())
+    ended = threading.Event()
+
+    def release_2_s_after_the_hold():  # the run's end has to wait that long for its last upload
+        while not (object_store.proxy.holding.is_set() or ended.is_set()):
+            time.sleep(0.02)
+        time.sleep(2)
+        object_store.proxy.release()
+
+    releaser = threading.Thread(target=release_2_s_after_the_hold)
     releaser.start()
     result = run_cli(*RUN[:1], "mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.eval_subset=40",
                      "train.batch_size=24", "train.epochs=1", "train.plot=false", f"output_dir={url}",
                      env=machine(tmp_path, "a"))
+    ended.set()
     releaser.join()
+    assert object_store.proxy.holding.is_set(), "the last upload was never held: the run ended before it"
     assert checkpoint_names(object_store, url) == ["step-00000004"], result.stdout[-2000:]
     assert "model.safetensors" in objects(object_store, url)
     assert re.search(r"checkpoints: 1 saved; training blocked \d+\.\d\d s by them, uploaded in \d+\.\d\d s in all",

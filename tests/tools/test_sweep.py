@@ -277,6 +277,7 @@ def test_a_sweep_in_object_storage_stopped_mid_trial_goes_on_from_the_store_on_a
     assert not list((tmp_path / "machine-a").rglob("study.journal")), "the stopped machine's staging is left"
     second = run_cli(*command[3:], env={"ACCEL_TRAIN_STAGING": str(tmp_path / "machine-b")}, timeout=600).stdout
     assert re.search(r"^trial 0: train.label_smoothing=\S+ train.lr=\S+ \(resumed\)", second, re.MULTILINE), second
+    assert f": {url}/trial-0000, log {url}/logs/trial-0000.log" in second, second  # named as the user gave them
     copy = tmp_path / "copy"
     object_store.fs().get(f"{object_store.bucket}/sweeps/fm/", str(copy), recursive=True)
     starts = [json.loads(line) for line in (copy / "trial-0000" / "starts.jsonl").read_text().splitlines()]
