@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
 PART_DONE = ".part-{process}.json"  # a process's part of a checkpoint is complete (in a store: its files' hashes)
+ABANDON_WAIT_S = 30.0  # how long a run that fails waits for its own part of a save under way
 
 
 class Stateful(Protocol):
@@ -131,7 +132,7 @@ class Checkpoints:
         self.worker = self.mirror.worker if self.mirror is not None else Worker("accel-train checkpoint")
         from accel_train.run.snapshot import Snapshots  # torch: not before the checks that need none
 
-        self.snapshots, self.pending = Snapshots(), None
+        self.snapshots, self.pending, self.abandoned = Snapshots(), None, False
         self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
         states = states or {}
         for part in states.values():
@@ -144,9 +145,12 @@ class Checkpoints:
 
     def __exit__(self, kind, error, trace) -> None:
         """When training ends (its end, a stop signal, the non-finite stop), the pending save is committed and the
-        run's last files reach the store, within checkpoint.upload_wait_s. After another error the processes end at
-        once: a peer may be gone, whose part a commit would wait for; the newest committed checkpoint stays."""
+        run's last files reach the store, within checkpoint.upload_wait_s. After another error the pending save is
+        abandoned: a peer may be gone, whose part a commit would wait for; this process's own write is let finish
+        (ABANDON_WAIT_S at most: a process must not end inside it), and the newest committed checkpoint stays."""
         if kind is not None and not issubclass(kind, (Preempted, NonFiniteError)):
+            self.abandoned = True
+            self.worker.idle_within(ABANDON_WAIT_S)
             self.worker.close()
             return
         self.settle(at_end=True)
@@ -299,6 +303,8 @@ class Checkpoints:
             missing = [process for process, marker in enumerate(markers) if marker not in present]
             if not missing:
                 break
+            if self.abandoned:
+                raise UserError(f"the checkpoint of step {step} was abandoned: training ended with an error")
             if time.monotonic() > deadline:
                 raise UserError(f"the checkpoint of step {step}: process(es) {', '.join(map(str, missing))} did not "
                                 f"write their part within {self.cfg.upload_wait_s:.0f} s (checkpoint.upload_wait_s)")
