@@ -130,6 +130,7 @@ class Checkpoints:
         self.mirror = mirror_of(config.output_dir)  # None: a local output_dir
         self.directory = checkpoints_dir(local_dir(config.output_dir))
         self.worker = self.mirror.worker if self.mirror is not None else Worker("accel-train checkpoint")
+        self.done = "uploaded" if self.mirror is not None else "written"  # what the background does, as lines say it
         from accel_train.run.snapshot import Snapshots  # torch: not before the checks that need none
 
         self.snapshots, self.pending, self.abandoned = Snapshots(), None, False
@@ -158,8 +159,7 @@ class Checkpoints:
             self.mirror.drain(self.cfg.upload_wait_s)
         self.worker.close()
         if self.saves and self.accelerator.is_main_process:
-            verb = "uploaded" if self.mirror else "written"
-            say(f"checkpoints: {self.saves} saved; training blocked {self.blocked_s:.2f} s by them, {verb} in "
+            say(f"checkpoints: {self.saves} saved; training blocked {self.blocked_s:.2f} s by them, {self.done} in "
                 f"{self.written_s:.2f} s in all")
 
     def due(self, progress: Progress, last: bool) -> bool:
@@ -192,9 +192,9 @@ class Checkpoints:
             if files is None:
                 accelerator.save_state(str(partial))
         blocked = time.perf_counter() - began
-        job = self.worker.submit(self._write_and_commit, copy.copy(progress), evaluated, name, partial, files,
-                                 loop_state, blocked)
-        self.pending = (copy.copy(progress), job, self.where(self.directory / name))
+        saved = copy.copy(progress)  # the loop goes on changing `progress`
+        job = self.worker.submit(self._write_and_commit, saved, evaluated, name, partial, files, loop_state, blocked)
+        self.pending = (saved, job, self.where(self.directory / name))
         self.saves, self.blocked_s = self.saves + 1, self.blocked_s + blocked
         return self.pending[2]
 
@@ -219,7 +219,7 @@ class Checkpoints:
         except FutureTimeout:
             self.pending = None
             warn(self.accelerator, f"the checkpoint of step {progress.step} is still being "
-                                   f"{'uploaded' if self.mirror else 'written'} after {bound_s:.0f} s "
+                                   f"{self.done} after {bound_s:.0f} s "
                                    "(checkpoint.upload_wait_s); " + ("ending without it: resume=auto takes the newest "
                                                                      "committed checkpoint" if at_end else
                                                                      "going on without it"))
@@ -275,8 +275,7 @@ class Checkpoints:
         written = time.perf_counter() - started
         self.written_s += written
         size_mb = sum(meta_size for meta_size in _sizes(parts).values()) / 2**20
-        verb = "uploaded" if self.mirror else "written"
-        say(f"checkpoint step {progress.step} saved in {self.where(final)}: blocked {blocked:.2f} s, {verb} in "
+        say(f"checkpoint step {progress.step} saved in {self.where(final)}: blocked {blocked:.2f} s, {self.done} in "
             f"{written:.2f} s ({size_mb:.1f} MiB)")
         self._prune()
 

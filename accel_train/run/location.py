@@ -131,14 +131,13 @@ class Mirror:
                 self.store.get(name, self.staging / name)
                 self._mark_sent(name)
             return
-        committed = {name.split("/")[1] for name in objects if name.count("/") == 2
-                     and name.startswith(f"{CHECKPOINTS_DIR}/") and name.endswith(f"/{CHECKPOINT_META_FILE}")}
+        manifests = {name for name in objects if name.count("/") == 2 and name.startswith(f"{CHECKPOINTS_DIR}/")
+                     and name.endswith(f"/{CHECKPOINT_META_FILE}")}
         self.partial_checkpoints = sorted({name.split("/")[1] for name in objects if name.count("/") >= 2
-                                           and name.startswith(f"{CHECKPOINTS_DIR}/")} - committed)
+                                           and name.startswith(f"{CHECKPOINTS_DIR}/")}
+                                          - {name.split("/")[1] for name in manifests})
         for name in objects:
-            if name in PULLED or name.startswith(f"{TRACKERS_DIR}/") or (
-                    name.startswith(f"{CHECKPOINTS_DIR}/") and name.split("/")[1] in committed and
-                    name.endswith(f"/{CHECKPOINT_META_FILE}") and name.count("/") == 2):
+            if name in PULLED or name in manifests or name.startswith(f"{TRACKERS_DIR}/"):
                 self.store.get(name, self.staging / name)
                 self._mark_sent(name)
 
@@ -236,7 +235,8 @@ def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
     _copy_run(store, "", copy, files, set(store.names()))
     if checkpoint:
         prefix = f"{CHECKPOINTS_DIR}/{checkpoint}/"
-        _copy_run(store, prefix, copy / prefix, (CHECKPOINT_META_FILE, MODEL_FILE), set(store.names(prefix)), "")
+        _copy_run(store, prefix, copy / prefix, (CHECKPOINT_META_FILE, MODEL_FILE),
+                  {f"{prefix}{name}" for name in store.names(prefix)})
         return copy / prefix
     return copy
 
@@ -252,7 +252,7 @@ def readable_runs(location: str) -> Path:
     for config in sorted(name for name in present if name.rsplit("/", 1)[-1] == CONFIG_FILE):
         prefix = config[:-len(CONFIG_FILE)]
         if f"{prefix}{METRICS_FILE}" in present and not prefix.count(f"/{CHECKPOINTS_DIR}/"):
-            _copy_run(store, prefix, copy / prefix, (*PULLED, CURVES_FILE), present, prefix)
+            _copy_run(store, prefix, copy / prefix, (*PULLED, CURVES_FILE), present)
     return copy
 
 
@@ -261,8 +261,8 @@ def _read_cache(location: str) -> Path:
     return staging_root() / "read" / _staging_of(location).name / location.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _copy_run(store: Store, prefix: str, copy: Path, files: tuple[str, ...], present: set[str],
-              listed_as: str = "") -> None:
+def _copy_run(store: Store, prefix: str, copy: Path, files: tuple[str, ...], present: set[str]) -> None:
+    """Those of `files` under `prefix` that the store has (`present`: names relative to the store's root)."""
     for name in files:
-        if f"{listed_as}{name}" in present:
+        if f"{prefix}{name}" in present:
             store.get(f"{prefix}{name}", copy / name)

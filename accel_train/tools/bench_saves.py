@@ -18,7 +18,8 @@ from pathlib import Path
 
 from accel_train.config import load_config
 from accel_train.console import say
-from accel_train.run.location import Mirror, open_run
+from accel_train.run.location import open_run
+from accel_train.storage import Store
 
 
 def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats: int = 3) -> dict:
@@ -53,9 +54,9 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
             for path in folder.iterdir():
                 _fsync(path)
             if url:
-                mirror = Mirror(f"{url.rstrip('/')}/sync-{repeat}", config.data.store_patience_s)
+                store = Store(f"{url.rstrip('/')}/sync-{repeat}", "output_dir", config.data.store_patience_s)
                 for path in sorted(folder.iterdir()):
-                    mirror.store.put(path, path.name)
+                    store.put(path, path.name)
             synchronous.append(time.perf_counter() - began)
 
         # One run's saves, as training makes them: the first allocates the host buffers, the others reuse them.
