@@ -308,6 +308,9 @@ def _run(args: argparse.Namespace) -> None:
         if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
+        if args.saves_into and not args.saves:
+            raise UserError(f"bench: --saves-into {args.saves_into} goes with --saves (the save benchmark); add "
+                            "--saves, or leave it out")
         if args.saves:
             from accel_train.tools.bench_saves import run_saves_bench
 

@@ -74,3 +74,10 @@ def test_bench_saves_times_a_synchronous_save_and_a_background_one_into_the_stor
     assert "written and uploaded in " in background[0] and "(medians of 3)" in background[0]
     uploaded = {path.split("/")[2] for path in object_store.fs().find(f"{object_store.bucket}/saves")}
     assert {"sync-0", "sync-1", "sync-2", "background"} <= uploaded, uploaded  # both ways reached the store
+
+
+def test_bench_saves_into_without_saves_is_one_line_instead_of_the_whole_bench_ignoring_it(tmp_path):
+    result = run_cli("bench", "--saves-into", str(tmp_path / "saves"), check=False)
+    assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:]
+    assert result.stderr.strip() == (f"accel-train: error: bench: --saves-into {tmp_path / 'saves'} goes with --saves "
+                                     "(the save benchmark); add --saves, or leave it out")
