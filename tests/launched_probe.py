@@ -160,7 +160,7 @@ def lr_traces(seed: int) -> tuple[dict, int]:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         lrs = []
         for _ in range(PROBE_STEPS_PER_EPOCH * PROBE_EPOCHS):
-            lrs.append(scheduler.get_last_lr()[0])
+            lrs.append(float(scheduler.get_last_lr()[0]))
             accelerator.backward(model(torch.ones(1, 2, device=accelerator.device)).sum())
             optimizer.step()
             scheduler.step()

@@ -175,6 +175,11 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = doc(
         "when the loss or gradient norm is NaN/inf on any process: stop every process (exit 5) or skip that step",
         default="stop")
+    fp16_max_consecutive_overflows: int = doc(
+        "fp16: this many steps in a row whose gradients overflow (each skipped, the loss scale halved) stop every "
+        "process (exit 5): the gradients are not finite at any scale (0 = no limit)", default=20, within=NON_NEGATIVE)
+    fp16_min_loss_scale: float = doc("fp16: a loss scale that falls below this stops every process (exit 5), as "
+                                     "DeepSpeed's min_loss_scale (0 = no floor)", default=1.0, within=NON_NEGATIVE)
     eval_every_steps: int | None = doc("also evaluate (on the validation split) every N optimizer steps, not only "
                                        "at each epoch end (unset = epoch ends only)", default=None, within=POSITIVE)
     early_stop_patience: int | None = doc("stop training after this many evaluations in a row without improvement "
@@ -206,6 +211,12 @@ class TrainConfig:
                                       default=None, within=NON_NEGATIVE)
     compile: bool = doc("torch.compile the model (exported weights are unaffected)", default=False)
     channels_last: bool = doc("channels_last memory format for conv nets (faster convolutions on GPU)", default=False)
+    deterministic: bool = doc("GPUs: the same numbers on every run of the same config and world size (cuDNN's "
+                              "benchmark off, torch's deterministic algorithms, TF32 off; slower): docs/contracts.md",
+                              default=False)
+    tf32: bool | Literal["auto"] = doc("GPUs from Ampere on: fp32 matrix products and convolutions on TF32 tensor "
+                                       "cores (about 10 significant bits; much faster); auto: on unless "
+                                       "train.deterministic", default="auto")
 
 
 @dataclass
@@ -304,6 +315,15 @@ def check_values(config: Config, given: set[str] | frozenset[str] = frozenset())
     if config.train.early_stop_patience and not (config.train.early_stop_metric or config.checkpoint.best_metric):
         raise UserError("train.early_stop_patience: set train.early_stop_metric (or checkpoint.best_metric) to the "
                         "eval metric it watches, e.g. train.early_stop_metric=accuracy")
+    if config.model.sync_batchnorm and config.train.micro_batch_size == "auto":
+        # SyncBatchNorm's collectives run inside the forward pass: a process out of memory there would leave the
+        # others waiting until the collective timeout, where auto agrees before any collective of the step.
+        raise UserError("model.sync_batchnorm=true with train.micro_batch_size=auto: SyncBatchNorm gathers statistics "
+                        "inside the forward pass, before the processes can agree that none ran out of memory; set a "
+                        "train.micro_batch_size, or turn model.sync_batchnorm off")
+    if config.train.deterministic and config.train.tf32 is True:
+        raise UserError("train.deterministic=true with train.tf32=true: determinism here means full fp32 "
+                        "arithmetic as well; leave train.tf32 unset (auto), or turn train.deterministic off")
     stuck, timeout = config.train.stuck_after_s, config.train.collective_timeout_s
     if stuck and stuck >= timeout:
         raise UserError(f"train.stuck_after_s={stuck:g} must be below train.collective_timeout_s={timeout}: the stuck "

@@ -51,7 +51,10 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     options = hooks.every().accelerator_options(dict(
         cpu=use_cpu,
         mixed_precision=mixed_precision,
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed),
+        # non_blocking: batches come from pinned memory (the loaders pin them for a GPU), so the copy to the device is
+        # queued behind the step's kernels instead of waiting for them
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed,
+                                                  non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
         log_with=list(trackers) or None,
         project_dir=trackers_dir if trackers else None,
@@ -116,10 +119,14 @@ def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float, laun
 
     timeout = timedelta(seconds=timeout_s)
     agent_store = dist.TCPStore(launcher.main_address, launcher.main_port, is_master=False, timeout=timeout)
+    bound = {}
+    if not use_cpu:  # this process's GPU first, as Accelerate does: else NCCL would set up every process on GPU 0
+        torch.cuda.set_device(launcher.local_rank)
+        bound = {"device_id": torch.device("cuda", launcher.local_rank)}
     # On GPUs NCCL for CUDA tensors and gloo for CPU ones, as Accelerate's own FSDP-offload group has
     dist.init_process_group("gloo" if use_cpu else "cuda:nccl,cpu:gloo",
                             store=dist.PrefixStore(f"accel_train/restart_{launcher.restart}", agent_store),
-                            rank=launcher.rank, world_size=launcher.world_size, timeout=timeout)
+                            rank=launcher.rank, world_size=launcher.world_size, timeout=timeout, **bound)
 
 
 def divisors(number: int) -> list[int]:

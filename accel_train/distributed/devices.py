@@ -47,3 +47,21 @@ def visible_devices() -> tuple[str, str, list[str], str]:
         names = [f"xpu:{i}" for i in range(torch.xpu.device_count())]
         return "xpu", "xccl", names, f"{len(names)} Intel XPU(s)"
     return "cpu", "gloo", [], f"no GPU visible; CPU with {os.cpu_count()} cores"
+
+
+def set_numerics(deterministic: bool, tf32: bool | str) -> None:
+    """How this process computes on GPUs: train.deterministic and train.tf32 (docs/contracts.md's table says what
+    each gives). Set before the model first runs: cuBLAS reads its workspace setting when it starts."""
+    import torch
+
+    use_tf32 = not deterministic if tf32 == "auto" else bool(tf32)
+    torch.backends.cuda.matmul.allow_tf32 = use_tf32
+    torch.backends.cudnn.allow_tf32 = use_tf32
+    # benchmark: input shapes are fixed per run, so autotuning pays once; but the algorithm it picks may change from
+    # run to run, and with it the last bits
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    # warn_only: an operation without a deterministic kernel says so once and runs as it is, rather than failing
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    if deterministic:  # cuBLAS's own condition for reproducible matrix products (CUDA 10.2 and newer)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

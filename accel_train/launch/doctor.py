@@ -94,12 +94,14 @@ def check_multi_node(launch: Launch, device: str, timeout: float, report: Report
     for name, addrs in sorted(interfaces.items()):
         mark = "  <- routes to the main node" if name == routing else ""
         report.info("interface", f"{name:10s} {', '.join(addrs) or '(no IPv4 address)'}{mark}")
-    variable = "NCCL_SOCKET_IFNAME" if device == "cuda" else "GLOO_SOCKET_IFNAME"
+    # Every run has a gloo group beside NCCL's on GPUs: stop signals and the stuck-process watchdog agree over it.
+    variables = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if device == "cuda" else ("GLOO_SOCKET_IFNAME",)
     if routing is None:
         report.problem(f"no interface of this node routes to main_process_ip={ip}; check the address and this node's "
                        "network configuration")
     else:
-        report.info("suggest", f"export {variable}={routing}  (the interface that routes to {address})")
+        exports = " ".join(f"{variable}={routing}" for variable in variables)
+        report.info("suggest", f"export {exports}  (the interface that routes to {address})")
     for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         chosen = launch.socket_interfaces.get(name)
         if not chosen or chosen.startswith(("^", "=")):  # exclusion / exact-match syntax: leave to the user
@@ -112,16 +114,20 @@ def check_multi_node(launch: Launch, device: str, timeout: float, report: Report
                            f"export {name}={routing}")
 
     local = {a for addrs in interfaces.values() for a in addrs}
-    if device == "cpu" and not launch.socket_interfaces.get("GLOO_SOCKET_IFNAME") and not address.startswith("127."):
-        # Without GLOO_SOCKET_IFNAME, gloo advertises the address this node's hostname resolves to.
+    if not launch.socket_interfaces.get("GLOO_SOCKET_IFNAME") and not address.startswith("127."):
+        # Without GLOO_SOCKET_IFNAME, gloo advertises the address this node's hostname resolves to (on GPU nodes too:
+        # the side group of stop signals and the watchdog is gloo's).
         hostname = socket.gethostname()
         try:
             advertised = socket.gethostbyname(hostname)
         except OSError:
             advertised = None
         if advertised is None or advertised.startswith("127.") or advertised not in local:
-            report.problem(f"this node's hostname {hostname} resolves to {advertised or 'nothing'}, which gloo would "
-                           f"give the other nodes to connect to; export GLOO_SOCKET_IFNAME={routing or '<interface>'}")
+            side = " (the group over which stop signals and the stuck-process report travel beside NCCL's)" \
+                if device == "cuda" else ""
+            report.problem(f"this node's hostname {hostname} resolves to {advertised or 'nothing'}, which gloo{side} "
+                           "would give the other nodes to connect to; export "
+                           f"GLOO_SOCKET_IFNAME={routing or '<interface>'}")
     if rank == 0 and address not in local and not address.startswith("127."):
         report.problem(f"this is machine_rank 0 but main_process_ip={ip} is not one of its addresses "
                        f"({', '.join(sorted(local))}); run machine_rank 0 on {ip} or set main_process_ip to this node")

@@ -28,14 +28,14 @@ from accelerate.utils import set_seed
 from accel_train.config import Config, load_config
 from accel_train.data import build_dataset, make_loader
 from accel_train.distributed.accelerator import make_accelerator
-from accel_train.distributed.devices import cpu_has_bf16, dataloader_workers
+from accel_train.distributed.devices import cpu_has_bf16, dataloader_workers, set_numerics
 from accel_train.distributed.environment import plain_process_env
 from accel_train.errors import UserError
 from accel_train.launch.profiles import profile_path
 from accel_train.run.layout import read_lines
 from accel_train.training.optim import build_optimizer, build_scheduler
 from accel_train.versions import versions
-from accel_train.workloads.models import tune_for_device
+from accel_train.workloads.models import compile_model, tune_for_device
 from accel_train.workloads.tasks import task_named
 
 TARGETS = {"overhead_ratio": 0.98, "input_pipeline_ratio": 20.0, "cli_help_s": 1.0}
@@ -143,8 +143,9 @@ def plain_loop(config: Config) -> float:
     data = build_dataset(config.data, train=True)
     task = task_named(config.task)
     task.setup(config, data)
-    model = tune_for_device(task.build_model(config, data), device, config.train.channels_last,
-                            config.train.compile).to(device)
+    set_numerics(config.train.deterministic, config.train.tf32)  # cuDNN's benchmark and TF32 as our loop has them
+    model = compile_model(tune_for_device(task.build_model(config, data), config.train.channels_last),
+                          config.train.compile).to(device)
     optimizer = build_optimizer(config.train, model)
     scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=len(data.dataset) // config.train.batch_size)
     images, labels = data.dataset.images.to(device), data.dataset.labels.to(device)

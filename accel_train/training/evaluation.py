@@ -9,6 +9,7 @@ import torch
 from accel_train.config import Config
 from accel_train.data import build_dataset, hold_out_validation, make_loader
 from accel_train.distributed.accelerator import finish_command, make_accelerator, round_up_to_world
+from accel_train.distributed.devices import set_numerics
 from accel_train.errors import UserError
 from accel_train.run.weights import load_weights, read_weights, weights_file
 from accel_train.training.adaptive import AdaptiveEval
@@ -49,6 +50,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     state = read_weights(weights_file(checkpoint))
+    set_numerics(config.train.deterministic, config.train.tf32)  # as the run trained
     accelerator = make_accelerator(config.seed)
     with accelerator.local_main_process_first():
         if split == "val":

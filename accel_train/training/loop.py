@@ -71,7 +71,7 @@ def train(config: Config, task: Task, trackers: list[str], *, model=None, train_
                 lr = run.scheduler.get_last_lr()[0]
                 with out_of_memory_stops(accelerator, "optimizer step"):
                     skipped = guard.step(run.optimizer, terms, grad_norm, progress.step + 1)  # on the device
-                run.scheduler.step()
+                run.scheduler.step(skipped)  # a skipped step leaves the LR schedule where it was
                 run.optimizer.zero_grad(set_to_none=True)
                 if run.ema:
                     run.ema.update(model)
@@ -80,7 +80,8 @@ def train(config: Config, task: Task, trackers: list[str], *, model=None, train_
                 hooks.every().optimizer_stepped(progress, terms, skipped, lr)
                 if run.line_due():
                     guard.check(progress)  # the host reads the guard's decision: every process stops here, or warns
-                    observers.on_log(run.state, {**meter.compute(), "lr": lr})  # averaged over processes
+                    # averaged over processes; fp16 adds its overflow steps and loss scale
+                    observers.on_log(run.state, {**meter.compute(lr), **guard.line_values()})
                 observers.on_step_end(run.state)
 
                 evaluated = run.evaluation_due()  # every train.eval_every_steps, each epoch's end, the last step

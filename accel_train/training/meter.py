@@ -64,8 +64,9 @@ class TrainMeter:
         finally:
             self.started += self.clock() - paused_at
 
-    def compute(self) -> dict[str, float]:
-        """Averages over all processes and the steps since the last line (a collective: one host read)."""
+    def compute(self, lr: float | torch.Tensor | None = None) -> dict[str, float]:
+        """Averages over all processes and the steps since the last line (a collective: one host read), with the LR
+        the step applied (on the device when the schedule varies: read in the same go)."""
         logs = {}
         elapsed = self.clock() - self.started
         waiting = min(1.0, self.waited / elapsed) if elapsed > 0 else 0.0
@@ -74,11 +75,18 @@ class TrainMeter:
             mine = torch.cat([self.sums / self.counted, self.counted.reshape(1),
                               torch.tensor([waiting], device=self.counted.device)])
             every = self.accelerator.gather(mine.reshape(1, -1))  # one row a process
-            *values, counted, waiting = torch.cat([every[:, :-1].mean(0), every[:, -1].max().reshape(1)]).tolist()
+            line = torch.cat([every[:, :-1].mean(0), every[:, -1].max().reshape(1)]).double()
+            if isinstance(lr, torch.Tensor):  # float64 keeps the LR's digits (the terms are float32 either way)
+                line = torch.cat([line, lr.detach().double().reshape(1).to(line.device)])
+            read = line.tolist()
+            values, (counted, waiting) = read[:len(self.names)], read[len(self.names):len(self.names) + 2]
+            lr = read[-1] if isinstance(lr, torch.Tensor) else lr
             if counted:  # every step since the last line may have been skipped (train.on_nonfinite=skip)
                 logs = dict(zip(self.names, values))
         logs["samples_per_s"] = self.steps * self.global_batch / elapsed if elapsed > 0 else float("nan")
         logs["data_wait"] = waiting
+        if lr is not None:
+            logs["lr"] = float(lr)
         self._reset()
         return logs
 

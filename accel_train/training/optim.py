@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 
 from accel_train.config import TrainConfig
 
@@ -40,9 +40,9 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and
 
 
 class LRFactor:
-    """LR multiplier at an optimizer step: optional linear warmup times step / exponential / cosine decay.
+    """LR multiplier at an applied optimizer step: optional linear warmup times step / exponential / cosine decay.
 
-    A callable object rather than a lambda so the scheduler's state_dict (checkpoints) keeps it.
+    An object of plain settings rather than a lambda so the scheduler's state_dict (checkpoints) keeps it.
     """
 
     def __init__(self, cfg: TrainConfig, steps_per_epoch: int) -> None:
@@ -89,5 +89,77 @@ def schedule_overruns(cfg: TrainConfig, steps_per_epoch: int) -> str | None:
     return None
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> LambdaLR:
-    return LambdaLR(optimizer, LRFactor(cfg, steps_per_epoch))
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> AppliedStepsLR:
+    return AppliedStepsLR(optimizer, LRFactor(cfg, steps_per_epoch))
+
+
+class AppliedStepsLR(LRScheduler):
+    """The schedule of LRFactor, advanced by applied optimizer steps only, and decided on the device.
+
+    A step the non-finite guard skips (an fp16 overflow, a non-finite loss with train.on_nonfinite=skip) must not
+    advance the schedule, but whether it was skipped is known only on the device: reading it would stop the host at
+    every step. So the schedule's position (`applied`) is a device counter, and each parameter group's LR a device
+    tensor picked from a table of the schedule's LRs, which the fused optimizers read on the device. The table holds
+    the very floats LambdaLR would compute (float64; float32 on CUDA, whose fused kernels read no other). A constant
+    schedule without warmup keeps plain float LRs: it has nothing to advance.
+
+    Its state (the position, LRFactor's settings, the base LRs) is saved with each checkpoint; LambdaLR's state, as
+    checkpoints of earlier versions hold it, loads too.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: LRFactor) -> None:
+        # LRScheduler.__init__ is not called: it would step once, the way LambdaLR's host counter does.
+        self.optimizer, self.factor = optimizer, factor
+        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self.device = next((param.device for group in optimizer.param_groups for param in group["params"]),
+                           torch.device("cpu"))
+        self.last_epoch = 0  # steps taken, applied or skipped (LRScheduler's name for it)
+        self._step_count = 1
+        self.applied = torch.zeros((), dtype=torch.long, device=self.device)
+        self._make_table(factor.total_steps)
+
+    def _make_table(self, steps: int) -> None:
+        """The LR of every group at each schedule position up to `steps`; None when the LR never changes."""
+        factor = self.factor
+        if factor.schedule == "constant" and not factor.warmup_steps:
+            self.table = None
+        else:
+            dtype = torch.float32 if self.device.type == "cuda" else torch.float64
+            rows = [[base * factor(position) for base in self.base_lrs] for position in range(steps + 1)]
+            self.table = torch.tensor(rows, dtype=dtype, device=self.device)
+        self._set_lrs()
+
+    def _set_lrs(self) -> None:
+        if self.table is None:
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+                group["lr"] = base
+            return
+        # Past the table's end (a resumed run longer than the saved schedule) the last LR holds.
+        lrs = self.table[self.applied.clamp(max=len(self.table) - 1)]
+        for group, lr in zip(self.optimizer.param_groups, lrs.unbind()):
+            group["lr"] = lr
+
+    def step(self, skipped: torch.Tensor | None = None) -> None:
+        """After an optimizer step; `skipped` (a device flag, 1 = skipped) leaves the schedule where it was."""
+        self.last_epoch += 1
+        self._step_count += 1
+        self.applied += 1 if skipped is None else (skipped == 0).long()
+        self._set_lrs()
+
+    def get_last_lr(self) -> list[float | torch.Tensor]:
+        """The LR each group applies at the next step: device tensors while the schedule varies (read at log steps
+        only), floats otherwise."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"applied": self.applied, "last_epoch": self.last_epoch, "base_lrs": self.base_lrs,
+                "factor": dict(vars(self.factor))}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "lr_lambdas" in state:  # LambdaLR's: it counted every step, skipped or not
+            state = {"applied": torch.tensor(state["last_epoch"]), "last_epoch": state["last_epoch"],
+                     "base_lrs": state["base_lrs"], "factor": state["lr_lambdas"][0]}
+        vars(self.factor).update(state["factor"])  # the schedule continues as saved (the resume says so)
+        self.base_lrs, self.last_epoch = list(state["base_lrs"]), state["last_epoch"]
+        self.applied = torch.as_tensor(state["applied"], dtype=torch.long).to(self.device)
+        self._make_table(max(self.factor.total_steps, self.last_epoch))

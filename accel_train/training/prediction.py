@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from accel_train.config import Config
 from accel_train.data import Data, image_converter, load_image, make_loader
 from accel_train.distributed.accelerator import finish_command, make_accelerator
+from accel_train.distributed.devices import set_numerics
 from accel_train.errors import DataNotFoundError, writing
 from accel_train.run.weights import class_names, load_weights, read_weights, weights_file
 from accel_train.workloads.tasks import Task, task_named
@@ -43,16 +44,23 @@ def find_images(spec: str) -> list[Path]:
 
 
 class ImageFiles(Dataset):
-    """(model input, index) for each file; the index says which file a gathered row belongs to."""
+    """(model input, index) for each file; the index says which file a gathered row belongs to.
 
-    def __init__(self, files: list[Path], convert) -> None:
+    Padded to whole global batches with copies of the last file (index -1, dropped from the results), so every
+    process runs full batches of predict.batch_size, and each file is in the same batch, at the same place, at any
+    world size: a batch of another shape may run other kernels, whose last bits differ."""
+
+    def __init__(self, files: list[Path], convert, global_batch: int) -> None:
         self.files, self.convert = files, convert
+        self.length = -(-len(files) // global_batch) * global_batch
 
     def __len__(self) -> int:
-        return len(self.files)
+        return self.length
 
     def __getitem__(self, index: int):
-        return self.convert(load_image(str(self.files[index]), reader="predict")), index
+        padding = index >= len(self.files)
+        image = self.convert(load_image(str(self.files[-1 if padding else index]), reader="predict"))
+        return image, -1 if padding else index
 
 
 def predict(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
@@ -67,13 +75,15 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
     if shape is None:  # a user's transform: the shape of what it makes of the first file
         shape = tuple(convert(load_image(str(files[0]), reader="predict")).shape)
     state = read_weights(weights)
+    set_numerics(config.train.deterministic, config.train.tf32)  # as the run trained
     accelerator = make_accelerator(config.seed)
     data = Data(None, len(classes), shape, classes)
     task.setup(config, data)
     model = load_weights(model if model is not None else task.build_model(config, data), state, checkpoint,
                          f"model.name={config.model.name} on {config.data.name}")
-    loader = make_loader(Data(ImageFiles(files, convert), len(classes), shape), config.data,
-                         config.predict.batch_size * accelerator.num_processes, False, accelerator.device)
+    global_batch = config.predict.batch_size * accelerator.num_processes
+    loader = make_loader(Data(ImageFiles(files, convert, global_batch), len(classes), shape), config.data, global_batch,
+                         False, accelerator.device)
     model, loader = accelerator.prepare(model, loader)
     model.eval()
     found: dict[int, tuple[list[int], list[float]]] = {}
@@ -81,7 +91,8 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
         for images, indices in loader:
             rows = accelerator.gather_for_metrics({"index": indices, **task.predict_step(model, images)})
             for index, labels, scores in zip(rows["index"].tolist(), rows["labels"].tolist(), rows["scores"].tolist()):
-                found[index] = (labels, scores)
+                if index >= 0:
+                    found[index] = (labels, scores)
     results = [{"path": str(files[index]), "labels": [classes[label] for label in found[index][0]],
                 "scores": found[index][1]} for index in range(len(files))]
     if output and accelerator.is_main_process:

@@ -27,6 +27,7 @@ from accel_train.distributed.accelerator import (
     round_up_to_world,
     run_info,
 )
+from accel_train.distributed.devices import set_numerics
 from accel_train.distributed.environment import launcher_environment
 from accel_train.distributed.signals import StopSignals
 from accel_train.distributed.watchdog import Watchdog
@@ -46,7 +47,7 @@ from accel_train.training.meter import TrainMeter
 from accel_train.training.optim import build_optimizer, build_scheduler, log_every_steps, schedule_overruns, total_steps
 from accel_train.training.selection import ModelSelection
 from accel_train.training.steps import PlainStep, TrainingBatches
-from accel_train.workloads.models import tune_for_device
+from accel_train.workloads.models import compile_model, tune_for_device
 from accel_train.workloads.tasks import Task
 
 
@@ -101,6 +102,7 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     """Make every part, in the order that makes a run a function of its config: the same initial weights on every
     process, then each process's own random streams (dropout), then the checkpoint's state over all of them."""
     started = time.perf_counter()
+    set_numerics(config.train.deterministic, config.train.tf32)
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, trackers,
                                    str(trackers_dir(local_dir(config.output_dir))))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
@@ -117,9 +119,10 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     if config.model.init_from:  # the same file on every process, before any process trains
         initial_weights(model, config.model.init_from, f"model.name={config.model.name} on {config.data.name}")
     model = maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
-    model = tune_for_device(model, accelerator.device, config.train.channels_last, config.train.compile)
+    model = tune_for_device(model, config.train.channels_last)
     if accumulation is None:  # micro_batch_size=auto: the largest that fits, recorded in config.yaml
         accumulation = fit_micro_batch(config, accelerator, task, model, train_data)
+    model = compile_model(model, config.train.compile)
     accelerator.gradient_accumulation_steps = accumulation
     optimizer = build_optimizer(config.train, model)
     every = hooks.every()
@@ -170,7 +173,7 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
                scheduler=scheduler, batches=batches, step=step, selecting_loader=val_loader or test_loader,
                selecting_split=selecting_split, test_loader=test_loader if val_loader is not None else None,
                adaptive_eval=AdaptiveEval(accelerator, config.train.collective_timeout_s) if adapts else None,
-               guard=NonFiniteGuard(config.train.on_nonfinite, accelerator), meter=meter, ema=ema,
+               guard=NonFiniteGuard(config.train, accelerator), meter=meter, ema=ema,
                selection=selection, checkpoints=checkpoints, progress=progress, start=start, state=state,
                observers=observers, signals=signals, watchdog=watchdog,
                log_every=log_every_steps(config.train, progress.total_steps))

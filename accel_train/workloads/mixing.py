@@ -57,8 +57,8 @@ class BatchMixer:
         if mix.weight == 1.0:
             return batch
         count = images.shape[0]
-        partner = torch.arange(count, device=images.device) ^ 1
-        partner[partner >= count] = count - 1  # an odd share's last sample stays itself
+        # an odd share's last sample stays itself (a clamp, not a masked write: that would read the mask on the host)
+        partner = (torch.arange(count, device=images.device) ^ 1).clamp_(max=count - 1)
         targets = F.one_hot(labels, self.num_classes).to(torch.float32)
         targets = mix.weight * targets + (1.0 - mix.weight) * targets[partner]
         if mix.box is None:

@@ -194,12 +194,15 @@ def remove_dropout(model: nn.Module) -> None:
             remove_dropout(child)
 
 
-def tune_for_device(model: nn.Module, device: torch.device, channels_last: bool, compile: bool = False) -> nn.Module:
+def tune_for_device(model: nn.Module, channels_last: bool) -> nn.Module:
     """Speed switches that leave what a model computes and exports unchanged, applied before prepare."""
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # input shapes are fixed per run, so the autotuning pays once
     if channels_last and any(isinstance(m, nn.Conv2d) for m in model.modules()):
         model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def compile_model(model: nn.Module, compile: bool) -> nn.Module:
+    """train.compile, after micro_batch_size=auto's search (which would compile again for every size it tries)."""
     if compile:
         # In place rather than torch.compile(model): no `_orig_mod.` wrapper, so the state_dict keys, the
         # exported model.safetensors and checkpoints are exactly those of the uncompiled model.

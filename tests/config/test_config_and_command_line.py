@@ -45,6 +45,24 @@ def test_config_mistakes_exit_2_with_one_line_naming_the_key(override, names, tm
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("overrides, names", [
+    (["model.sync_batchnorm=true", "train.micro_batch_size=auto"],
+     ["model.sync_batchnorm=true with train.micro_batch_size=auto", "inside the forward pass",
+      "set a train.micro_batch_size"]),
+    (["train.deterministic=true", "train.tf32=true"], ["train.deterministic=true with train.tf32=true"]),
+    (["train.tf32=sometimes"], ["train.tf32", "auto"]),
+])
+def test_settings_that_cannot_hold_together_exit_2_with_one_line_naming_them(overrides, names, tmp_path, capsys):
+    from accel_train import cli
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "fashion_mnist_cnn", *overrides, f"output_dir={tmp_path}"])
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit.value.code == 2 and len(error_lines) == 1, error_lines
+    assert all(name in error_lines[0] for name in names), error_lines[0]
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 def test_unknown_recipe_lists_the_shipped_ones():
     result = run_cli("train", "resnet_on_moon", check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -156,3 +156,29 @@ def test_doctor_reports_an_unusable_accelerate_config_in_one_line(doctor, tmp_pa
     assert result.returncode == 1
     assert problems(result) == [
         f"problem: accelerate config {broken}: num_processes='many' must be a whole number; fix it"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_doctor_names_gloo_s_interface_on_gpu_nodes_too_where_the_hostname_resolves_to_loopback(device, monkeypatch):
+    """Stop signals and the stuck-process report travel over a gloo group beside NCCL's: on a GPU node whose hostname
+    resolves to 127.0.1.1 (Debian's default), gloo would give the other nodes an address they cannot reach."""
+    from accel_train.launch import doctor
+    from accel_train.launch.settings import Launch, Report
+
+    monkeypatch.setattr(doctor, "interface_addresses", lambda: {"lo": ["127.0.0.1"], "ens5": ["10.9.0.2"]})
+    monkeypatch.setattr(doctor, "route_source", lambda host, port: "10.9.0.2")
+    monkeypatch.setattr(doctor.socket, "gethostbyname", lambda name: name if name[0].isdigit() else "127.0.1.1")
+    monkeypatch.setattr(doctor, "connect", lambda *args: "10.9.0.1:29500: machine 0's rendezvous answers")
+    report = Report()
+    launch = Launch(distributed_type="MULTI_GPU", num_processes=2, num_machines=2, machine_rank=1,
+                    main_process_ip="10.9.0.1")
+    doctor.check_multi_node(launch, device, timeout=1.0, report=report)
+    (problem,) = report.problems
+    assert "resolves to 127.0.1.1" in problem and problem.endswith("export GLOO_SOCKET_IFNAME=ens5"), problem
+    suggested = dict(report.lines)["suggest"]
+    expected = "NCCL_SOCKET_IFNAME=ens5 GLOO_SOCKET_IFNAME=ens5" if device == "cuda" else "GLOO_SOCKET_IFNAME=ens5"
+    assert suggested.startswith(f"export {expected}  ("), suggested
+    report = Report()
+    doctor.check_multi_node(Launch(**{**vars(launch), "socket_interfaces": {"GLOO_SOCKET_IFNAME": "ens5"}}), device,
+                            timeout=1.0, report=report)
+    assert report.problems == []

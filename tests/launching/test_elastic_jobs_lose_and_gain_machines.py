@@ -217,3 +217,28 @@ def test_a_job_with_its_run_folder_in_object_storage_loses_a_machine_and_the_sur
     final = [line for line in lines("metrics.jsonl") if line["split"] == "test"][-1]
     assert (final["step"], final["num_samples"]) == (total_steps, 50) and fs.exists(f"{prefix}/model.safetensors")
     assert not list((tmp_path / "disk0").rglob("*.json")), "the survivor's staging is left behind"
+
+
+def test_a_restarted_gpu_process_takes_its_own_gpu_before_it_forms_the_group(monkeypatch):
+    """Without the device set first (and named), NCCL sets up a restarted group's every process on GPU 0."""
+    import torch
+    import torch.distributed as dist
+
+    from accel_train.distributed.accelerator import form_group_apart_from_earlier_attempts
+    from accel_train.distributed.environment import LauncherEnvironment
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: "agent store")
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append(("init", backend, kwargs)))
+    launcher = LauncherEnvironment(world_size=4, rank=3, local_rank=1, local_world_size=2, node_rank=1,
+                                   main_address="10.0.0.1", main_port=29500, restart=2, max_restarts=3,
+                                   mixed_precision=None, uses_fsdp=False, uses_agent_store=True)
+    form_group_apart_from_earlier_attempts(False, 60, launcher)
+    assert calls[0] == ("set_device", 1)
+    _, backend, options = calls[1]
+    assert backend == "cuda:nccl,cpu:gloo" and options["device_id"] == torch.device("cuda", 1)
+    assert options["store"] == ("accel_train/restart_2", "agent store")
+    assert (options["rank"], options["world_size"]) == (3, 4)

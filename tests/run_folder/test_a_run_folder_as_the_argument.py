@@ -16,7 +16,7 @@ from accel_train import hooks
 from accel_train.cli import main
 from accel_train.config import load_config
 from accel_train.errors import DataNotFoundError, UserError
-from support.commands import evaluate_in_process, last_json_line, launch, train_in_process
+from support.commands import evaluate_in_process, last_json_line, launch, one_thread, train_in_process
 from support.locations import PROBE
 from support.recorders import digests
 from support.runs import read_metrics
@@ -39,7 +39,9 @@ def step(run, number: int):
 
 
 def eval_of(argv: list[str], capsys) -> dict:
-    main(["eval", *argv])
+    """`accel-train eval ARGV` in this process, on one thread as evaluate_in_process: the same kernels, so the same
+    bits (at another thread count only within docs/contracts.md's tolerance)."""
+    one_thread(main, ["eval", *argv])
     return last_json_line(capsys.readouterr().out)
 
 

@@ -128,7 +128,7 @@ def train_in_process(recipe: str, *overrides: str) -> dict:
     model to evaluate, a reference run): no interpreter start. One thread, as the launched runs have."""
     from accel_train import api
 
-    return _one_thread(api.train, recipe, list(overrides))
+    return one_thread(api.train, recipe, list(overrides))
 
 
 def evaluate_in_process(recipe: str, checkpoint: Path, *overrides: str) -> dict:
@@ -136,10 +136,12 @@ def evaluate_in_process(recipe: str, checkpoint: Path, *overrides: str) -> dict:
     from accel_train import api
     from accel_train.config import load_config
 
-    return _one_thread(api.evaluate_run, load_config(recipe, list(overrides)), str(checkpoint))
+    return one_thread(api.evaluate_run, load_config(recipe, list(overrides)), str(checkpoint))
 
 
-def _one_thread(function, *args):
+def one_thread(function, *args):
+    """`function(*args)` on one CPU thread, as every launched test command runs (OMP_NUM_THREADS=1): another thread
+    count may run other kernels, whose last bits differ on some CPUs (docs/contracts.md)."""
     import torch
 
     threads = torch.get_num_threads()

@@ -46,16 +46,51 @@ class NonFinite(hooks.Hooks):
             return {**outputs, "loss": outputs["loss"] * math.nan}
         if self.where == "value":  # the constant has no gradient: backward gives the finite gradients of the loss
             return {**outputs, "loss": outputs["loss"] + torch.tensor(math.nan, device=outputs["loss"].device)}
-        param, fired = next(p for p in model.parameters() if p.requires_grad), []
-
-        def infinite_once(grad):  # runs before the all-reduce, like an overflow in this process's backward
-            if not fired:
-                fired.append(True)
-                return torch.full_like(grad, math.inf)
-            return None
-
-        param.register_hook(infinite_once)
+        infinite_gradient_once(model)
         return outputs
+
+
+class OverflowFrom(hooks.Hooks):
+    """Every training micro-batch from forward pass number `call` on gets an inf gradient (its loss stays finite):
+    gradients that overflow at any loss scale, as a diverging fp16 run's do."""
+
+    def __init__(self, call: int) -> None:
+        self.call, self.calls = call, 0
+
+    def after_forward(self, phase, step, model, batch, outputs):
+        if phase == "train":
+            self.calls += 1
+            if self.calls >= self.call:
+                infinite_gradient_once(model)
+        return outputs
+
+
+def infinite_gradient_once(model) -> None:
+    """The next backward pass makes one gradient inf, before the all-reduce: an overflow in this process's backward."""
+    param, fired = next(p for p in model.parameters() if p.requires_grad), []
+
+    def infinite_once(grad):
+        if not fired:
+            fired.append(True)
+            return torch.full_like(grad, math.inf)
+        return None
+    param.register_hook(infinite_once)
+
+
+class Fp16OnCpu(hooks.Hooks):
+    """fp16 mixed precision as Accelerate runs it on a GPU (autocast to float16, a GradScaler scaling the loss,
+    unscaling and checking the gradients, and updating its scale), on the CPU, where Accelerate itself has no fp16:
+    torch's GradScaler runs on CPU tensors. The process's AcceleratorState says fp16 from then on (reset it)."""
+
+    def __init__(self, init_scale: float = 2.0**16) -> None:
+        self.init_scale = init_scale
+
+    def accelerator_options(self, options):
+        return {**options, "mixed_precision": "fp16"}
+
+    def accelerator_made(self, accelerator):
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=self.init_scale)
 
 
 class OutOfMemoryAbove(hooks.Hooks):

@@ -190,7 +190,7 @@ class Run(hooks.Hooks):
 
     def optimizer_stepped(self, progress, terms, skipped, lr):
         self.record["meter"].append([terms["loss"].item(), skipped.item()])
-        self.record["step_lr"].append([progress.step, lr])
+        self.record["step_lr"].append([progress.step, float(lr)])
 
     def checkpoint_saving(self, progress):
         self.record["saves"].append(progress.step)

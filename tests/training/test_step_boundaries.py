@@ -65,16 +65,27 @@ def host_reads(monkeypatch):
         yield reads
 
 
-@pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_reads, tmp_path, policy):
+# Every feature that runs inside a step, on the device data path and on the file-backed one (DataLoader workers).
+STEP_FEATURES = {
+    "stop": ["train.on_nonfinite=stop"],
+    "skip": ["train.on_nonfinite=skip"],
+    "ema, mixup, cutmix, accumulation, a varying LR": [
+        "train.ema_decay=0.9", "train.mixup_alpha=0.2", "train.cutmix_alpha=1.0", "train.accumulation_steps=2",
+        "train.schedule=cosine", "train.warmup_steps=3"],
+    "DataLoader workers, ema": ["data.on_device=false", "data.num_workers=2", "data.augment=true",
+                                "train.ema_decay=0.9"],
+}
+
+
+@pytest.mark.parametrize("features", STEP_FEATURES.values(), ids=STEP_FEATURES.keys())
+def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_reads, tmp_path, features):
     from accel_train import api
 
     # 10 steps per epoch: an epoch end (evaluation follows) at step 10, which is not a log step
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=120", "data.eval_subset=20",
                                        "train.batch_size=12", "train.max_steps=17", "train.log_every_steps=4",
                                        "train.progress_bar=false", "checkpoint.at_epoch_end=false",
-                                       f"train.on_nonfinite={policy}", "train.clip_grad_norm=1.0",
-                                       f"output_dir={tmp_path}"])
+                                       "train.clip_grad_norm=1.0", *features, f"output_dir={tmp_path}"])
     host_reads.clear()
     api.train(config)
     log_steps, epoch_ends = {4, 8, 12, 16, 17}, {10, 17}
@@ -301,3 +312,67 @@ def test_a_run_that_waits_for_data_says_so_in_its_lines_its_summary_and_one_warn
         "data.on_device=true (the dataset moves to the device once, augmented a batch at a time), or raise " \
         "data.num_workers (now 0; " in warnings[0], warnings[0]
     assert re.search(r"samples/s while training, (9\d|100)% of it waiting for data", printed.out), printed.out
+
+
+def test_batches_for_a_gpu_come_from_pinned_memory_and_reach_it_without_blocking(monkeypatch):
+    """A blocking copy to the device waits for every kernel queued before it: the host would stop at each batch."""
+    import accelerate.data_loader
+    from torch.utils.data import TensorDataset
+
+    from accel_train.config import DataConfig
+    from accel_train.data import Data, make_loader
+    from accel_train.distributed.accelerator import make_accelerator
+
+    data = Data(TensorDataset(torch.zeros(8, 1, 2, 2), torch.zeros(8, dtype=torch.long)), 2, (1, 2, 2))
+    settings = DataConfig(num_workers=0)
+    assert make_loader(data, settings, 4, True, torch.device("cuda")).pin_memory  # made, not iterated: no GPU here
+    copies = []
+    original = accelerate.data_loader.send_to_device
+    monkeypatch.setattr(accelerate.data_loader, "send_to_device", lambda batch, device, **options: (
+        copies.append(options), original(batch, device, **options))[1])
+    accelerator = make_accelerator(seed=0)
+    next(iter(accelerator.prepare(make_loader(data, settings, 4, True, accelerator.device))))
+    assert copies and all(options.get("non_blocking") for options in copies), copies
+
+
+def test_the_weights_average_lives_on_the_models_device_and_updates_without_moving_anything(monkeypatch):
+    """The meta device stands in for a GPU: a counter kept on the CPU would be copied to the device at each update."""
+    from types import SimpleNamespace
+
+    from accel_train.training.ema import WeightsEMA
+
+    device = torch.device("meta")
+    accelerator = SimpleNamespace(device=device, distributed_type="NO", unwrap_model=lambda model: model)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).to(device)
+    ema = WeightsEMA(accelerator, model, decay=0.9)
+    moved = []
+    original = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: (
+        moved.append(self.device), original(self, *args, **kwargs))[1])
+    for _ in range(3):
+        ema.update(model)
+    assert {tensor.device for tensor in ema.averaged.state_dict().values()} == {device}  # the counter too
+    assert moved == [], moved
+
+
+def test_the_lr_schedule_stays_where_it_was_on_a_skipped_step_and_its_state_round_trips():
+    from accel_train.config import TrainConfig
+    from accel_train.training.optim import build_optimizer, build_scheduler
+
+    cfg = TrainConfig(schedule="cosine", warmup_steps=2, lr=0.1, epochs=2)
+    model = torch.nn.Linear(2, 1)
+    scheduler = build_scheduler(cfg, build_optimizer(cfg, model), steps_per_epoch=5)
+    applied = []
+    for skipped in (0.0, 1.0, 0.0, 1.0, 1.0, 0.0):
+        applied.append(float(scheduler.get_last_lr()[0]))
+        scheduler.step(torch.tensor(skipped))
+    factor = scheduler.factor
+    assert applied == [0.1 * factor(position) for position in (0, 1, 1, 2, 2, 2)]
+    restored = build_scheduler(cfg, build_optimizer(cfg, torch.nn.Linear(2, 1)), steps_per_epoch=5)
+    restored.load_state_dict(scheduler.state_dict())
+    assert float(restored.get_last_lr()[0]) == float(scheduler.get_last_lr()[0]) == 0.1 * factor(3)
+    # A checkpoint of an earlier version holds LambdaLR's state, which counted every step: it goes on from there.
+    earlier = build_scheduler(cfg, build_optimizer(cfg, torch.nn.Linear(2, 1)), steps_per_epoch=5)
+    earlier.load_state_dict({"base_lrs": [0.1, 0.1], "last_epoch": 4, "_step_count": 5, "_last_lr": [0.0, 0.0],
+                             "lr_lambdas": [dict(vars(factor))]})
+    assert float(earlier.get_last_lr()[0]) == 0.1 * factor(4)

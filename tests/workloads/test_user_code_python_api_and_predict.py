@@ -347,16 +347,16 @@ def image_run(tmp_path_factory):
     return root
 
 
-def test_predict_writes_one_row_per_file_identically_at_1_and_2_processes(image_run):
+def test_predict_writes_one_row_per_file_identically_at_1_2_and_3_processes(image_run):
     assert json.loads((image_run / "run" / "classes.json").read_text()) == list(CLASSES)
     written = {}
-    for processes in (1, 2):  # 13 files split unevenly at 2
+    for processes in (1, 2, 3):  # 13 files split unevenly at 2 and 3; one thread a process
         output = image_run / f"predictions_{processes}.csv"
         launch(processes, "predict", "imagefolder", f"checkpoint={image_run / 'run'}",
                f"input={image_run / 'inputs'}", f"output={output}", "predict.top_k=2", "predict.batch_size=4",
                *IMAGE_RUN)
         written[processes] = output.read_text()
-    assert written[1] == written[2]
+    assert written[1] == written[2] == written[3]
     header, *rows = csv.reader(written[1].splitlines())
     assert header == ["path", "label", "score", "label_2", "score_2"]
     files = sorted(str(path) for path in (image_run / "inputs").rglob("*.*"))
@@ -392,6 +392,26 @@ def test_predict_gives_each_file_the_models_own_labels_and_scores_for_that_file(
         assert row["scores"] == pytest.approx(scores.tolist(), rel=1e-4, abs=1e-6), row["path"]
         own.append(scores.tolist())
     assert len({json.dumps(scores) for scores in own}) == len(files)  # the rows tell the files apart
+
+
+def test_predict_runs_every_file_in_a_full_batch_so_its_scores_do_not_depend_on_the_world_size(image_run):
+    """A batch of another shape may run other kernels, whose last bits differ: with the last batch padded to
+    predict.batch_size, each file meets the same batch at any world size (docs/contracts.md)."""
+    import accel_train
+
+    batch_sizes = set()
+
+    def record(module, inputs):
+        if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].ndim == 4:
+            batch_sizes.add(inputs[0].shape[0])
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        rows = accel_train.predict("imagefolder", image_run / "run", image_run / "inputs",
+                                   [*IMAGE_RUN, "predict.batch_size=4"])  # 13 files
+    finally:
+        handle.remove()
+    assert batch_sizes == {4} and len(rows) == 13
 
 
 def test_predict_takes_a_file_or_a_glob_and_names_what_it_cannot_read(image_run, tmp_path):
