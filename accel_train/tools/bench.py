@@ -27,6 +27,7 @@ from accelerate.utils import set_seed
 
 from accel_train.config import Config, load_config
 from accel_train.data import build_dataset, make_loader
+from accel_train.data.in_memory import to_model_input
 from accel_train.distributed.accelerator import make_accelerator
 from accel_train.distributed.devices import cpu_has_bf16, dataloader_workers, set_numerics
 from accel_train.distributed.environment import plain_process_env
@@ -136,7 +137,8 @@ def overhead(recipe: str, overrides: list[str], out: Path, rounds: int, log) -> 
 
 
 def plain_loop(config: Config) -> float:
-    """The reference: a hand-written PyTorch loop over the same uint8 tensor held on the device."""
+    """The reference: a hand-written PyTorch loop over the same uint8 tensor held on the device, made into the same
+    inputs as ours (resized to data.image_size, normalised): only the loop differs."""
     accelerator = make_accelerator(config.seed)
     device = accelerator.device
     set_seed(config.seed)
@@ -161,7 +163,7 @@ def plain_loop(config: Config) -> float:
                 order, position = torch.randperm(len(labels), device=device), 0
             index = order[position:position + batch]
             position += batch
-            x = (images[index].float() / 255 - mean) / std
+            x = to_model_input(images[index], data.dataset.size, mean, std)
             loss = torch.nn.functional.cross_entropy(model(x), labels[index])
             loss.backward()
             optimizer.step()

@@ -23,8 +23,6 @@ from accel_train.storage import Store
 
 
 def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats: int = 3) -> dict:
-    import torch
-
     from accel_train.distributed.accelerator import make_accelerator
     from accel_train.run.checkpoint import Checkpoints, _fsync
     from accel_train.state import Progress
@@ -37,9 +35,7 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
     model = build_model(config.model, config.data.num_classes or 10, (3, side, side))
     optimizer = build_optimizer(config.train, model)
     model, optimizer = accelerator.prepare(model, optimizer)
-    inputs = torch.randn(2, 3, side, side)
-    torch.nn.functional.cross_entropy(model(inputs), torch.tensor([0, 1])).backward()
-    optimizer.step()  # AdamW's state exists: a checkpoint's size
+    first_step(model, optimizer, side)
     size_mb = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters()) / 2**20
     scratch = Path(tempfile.mkdtemp(prefix="accel-train-bench-saves-"))
     where = url or str(scratch)
@@ -83,3 +79,14 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
         f"synchronous save; the run's first save {first_blocked:.3f} s, making its host buffers), written"
         f"{' and uploaded' if url else ''} in {result['background_total_s']:.2f} s in all (medians of {repeats})")
     return result
+
+
+def first_step(model, optimizer, side: int) -> None:
+    """One optimizer step on random inputs, so that the optimizer's state (AdamW's moments) is in the checkpoint; the
+    inputs are made where the model is (on a GPU once prepared)."""
+    import torch
+
+    device = next(model.parameters()).device
+    inputs = torch.randn(2, 3, side, side, device=device)
+    torch.nn.functional.cross_entropy(model(inputs), torch.tensor([0, 1], device=device)).backward()
+    optimizer.step()

@@ -4,8 +4,9 @@ side by side; and the bytes each read from the store.
 
 The recipe's images (a dataset of the registry) are written once as an ImageFolder tree under output_dir and as
 shards of that tree at URL; every row then decodes the same PNG files with the same transforms (ImageFolder's, at
-the images' own size) on the same number of DataLoader workers, one epoch each. Bytes read from the store are what
-the cache took in (blocks are only ever added by a download), or, for webdataset, the shards it streamed.
+the images' own size) on the same number of DataLoader workers, one epoch each, every batch delivered to the
+training device. Bytes read from the store are what the cache took in (blocks are only ever added by a download),
+or, for webdataset, the shards it streamed.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def run_shards_bench(recipe: str, overrides: list[str], url: str, batches: int |
     rows.append({"source": "ImageFolder tree on local disk", "samples_per_s": rate, "samples": samples,
                  "store_bytes": 0})
     try:
-        rate, samples, streamed = _webdataset_epoch(shards, batch, workers, batches)
+        rate, samples, streamed = _webdataset_epoch(shards, batch, workers, batches, accelerator.device)
         rows.append({"source": "webdataset's own loader over the same shards", "samples_per_s": rate,
                      "samples": samples, "store_bytes": streamed})
     except ImportError:
@@ -114,9 +115,10 @@ def _timed(loader, batches: int | None) -> tuple[float, int]:
     return seen / (time.perf_counter() - started), seen
 
 
-def _webdataset_epoch(cfg, batch: int, workers: int, batches: int | None) -> tuple[float, int, int]:
+def _webdataset_epoch(cfg, batch: int, workers: int, batches: int | None, device) -> tuple[float, int, int]:
     """webdataset's loader over the same tars (read through the same fsspec client), with a shuffle buffer of one
-    shard's samples and the same transforms."""
+    shard's samples and the same transforms; its batches copied to `device` from pinned memory, as the other rows'
+    prepared loaders deliver theirs."""
     import sys
 
     import fsspec
@@ -135,8 +137,8 @@ def _webdataset_epoch(cfg, batch: int, workers: int, batches: int | None) -> tup
     pipeline = (wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, empty_check=False)
                 .shuffle(per_shard).decode("pil").to_tuple("png", "cls")
                 .map_tuple(lambda image: transform(image.convert("RGB")), int).batched(batch, partial=False))
-    loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers)
-    rate, seen = _timed(loader, batches)
+    loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda")
+    rate, seen = _timed(((images.to(device), labels) for images, labels in loader), batches)
     return rate, seen, index.bytes if batches is None else 0
 
 

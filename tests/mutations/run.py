@@ -333,6 +333,16 @@ MUTATIONS = [
              "accel_train/distributed/devices.py", "torch.backends.cudnn.benchmark = not deterministic",
              "torch.backends.cudnn.benchmark = True",
              ("tests/training/test_compile_and_channels_last_change_speed_only.py::-k deterministic",)),
+    # tools/bench_saves.py, first_step: on a GPU the prepared model is there, and so must its inputs be.
+    Mutation("bench --saves inputs on the CPU whatever the model's device",
+             "accel_train/tools/bench_saves.py", "    device = next(model.parameters()).device\n",
+             "    device = torch.device(\"cpu\")\n",
+             ("tests/tools/test_bench.py::test_bench_saves_steps_the_model_where_prepare_put_it",)),
+    # tools/bench.py, plain_loop: the reference's inputs are resized to data.image_size, as our loop's are.
+    Mutation("bench's plain loop at the images' stored size, not data.image_size",
+             "accel_train/tools/bench.py", "to_model_input(images[index], data.dataset.size, mean, std)",
+             "to_model_input(images[index], None, mean, std)",
+             ("tests/tools/test_bench.py::-k recipes_image_size",)),
 ]
 
 

@@ -5,6 +5,8 @@ The numbers are not checked: timings belong to the bench, not to tests."""
 import json
 import math
 
+import torch
+
 from support.commands import run_cli
 from support.locations import needs_fashion_mnist
 
@@ -81,3 +83,43 @@ def test_bench_saves_into_without_saves_is_one_line_instead_of_the_whole_bench_i
     assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:]
     assert result.stderr.strip() == (f"accel-train: error: bench: --saves-into {tmp_path / 'saves'} goes with --saves "
                                      "(the save benchmark); add --saves, or leave it out")
+
+
+def test_bench_runs_the_model_at_the_recipes_image_size_on_the_models_device_in_the_plain_loop_and_the_flop_count():
+    """STL-10's 96 px images resized to data.image_size, as training sees them: the overhead ratio and the FLOP/s
+    compare the same work. Every input the model gets is on its parameters' device (on a GPU: the GPU)."""
+    from torchvision.models import ResNet
+
+    from accel_train.config import load_config
+    from accel_train.tools.bench import flops, plain_loop
+
+    config = load_config("stl10_resnet18", ["data.synthetic=true", "data.train_subset=8", "data.image_size=64",
+                                            "data.augment=false", "train.batch_size=4", "train.log_every_steps=1",
+                                            "train.warmup_steps=0"])
+    seen = set()
+
+    def record(module, args):
+        if isinstance(module, ResNet):
+            seen.add((tuple(args[0].shape[1:]), args[0].device == next(module.parameters()).device))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        plain_loop(config)
+        assert seen == {((3, 64, 64), True)}, seen
+        seen.clear()
+        flops(config, samples_per_s=1.0, peak_tflops=1.0, quick=True, log=print)
+        assert seen == {((3, 64, 64), True)}, seen
+    finally:
+        handle.remove()
+
+
+def test_bench_saves_steps_the_model_where_prepare_put_it():
+    """On a GPU, accelerator.prepare has moved the model there: the step that makes the optimizer's state feeds it
+    inputs on that device, not the CPU's. The meta device stands in for the GPU here."""
+    from accel_train.tools.bench_saves import first_step
+    from accel_train.workloads.models import MnistCNN
+
+    model = MnistCNN(10, (3, 32, 32)).to("meta")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    first_step(model, optimizer, 32)
+    assert all(state["momentum_buffer"].device.type == "meta" for state in optimizer.state.values())
