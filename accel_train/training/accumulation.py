@@ -14,13 +14,15 @@ import dataclasses
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import find_executable_batch_size, send_to_device
+from accelerate.utils import release_memory, send_to_device
 
 from accel_train import hooks
 from accel_train.config import Config, TrainConfig
 from accel_train.data import Data, make_loader
-from accel_train.distributed.accelerator import divisors
+from accel_train.distributed.accelerator import divisors, shards_gradients
+from accel_train.distributed.collectives import processes_where
 from accel_train.errors import UserError
+from accel_train.training.memory import ran_out_of_memory
 
 
 def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:
@@ -49,54 +51,50 @@ def fit_micro_batch(config: Config, accelerator: Accelerator, task, model: torch
     per_process = config.train.batch_size // accelerator.num_processes
     micro = find_micro_batch_size(config, accelerator, task, model, data)
     config.train.micro_batch_size, config.train.accumulation_steps = micro, per_process // micro
+    sharded = f", the model sharded over {accelerator.num_processes} (FSDP)" if shards_gradients(accelerator) else ""
     accelerator.print(f"train.micro_batch_size=auto: {micro} samples per process fit in {accelerator.device.type} "
-                      f"memory; train.accumulation_steps={per_process // micro} makes up train.batch_size="
+                      f"memory{sharded}; train.accumulation_steps={per_process // micro} makes up train.batch_size="
                       f"{config.train.batch_size} over {accelerator.num_processes} process(es)")
     return per_process // micro
 
 
 def find_micro_batch_size(config: Config, accelerator: Accelerator, task, model: torch.nn.Module, data: Data) -> int:
     """train.micro_batch_size=auto: the largest divisor of the per-process batch with which a forward and backward
-    pass fits in device memory, agreed by every process (the smallest of their answers).
+    pass fits in device memory on every process.
 
     Each try is one training micro-step on real samples; the model's weights are untouched and its buffers
-    (BatchNorm statistics) restored, so the run is the one a given micro_batch_size would make. The
-    optimizer's state is not allocated yet when this runs: it needs about 2x the parameters more (Adam).
+    (BatchNorm statistics) restored, so the run is the one a given micro_batch_size would make. The processes try
+    each size together and agree over the CPU group before the next: under FSDP (whose model is searched sharded,
+    as each process holds it) the passes are collectives, and a process that moved on alone would meet the others
+    in another one. The optimizer's state is not allocated yet when this runs: it needs about 2x the parameters
+    more (Adam).
     """
     per_process = config.train.batch_size // accelerator.num_processes
-    sizes = divisors(per_process)
-    model.to(accelerator.device)
+    if any(param.device != accelerator.device for param in model.parameters()):  # not once prepared: FSDP's .to()
+        model.to(accelerator.device)  # makes new parameters, and the optimizer would update the old ones
     buffers = {name: value.clone() for name, value in model.named_buffers()}  # BatchNorm statistics: small
     probe_data = dataclasses.replace(config.data, num_workers=0)
-    current = per_process
-
-    def next_smaller() -> int:
-        nonlocal current
-        current = max([size for size in sizes if size < current], default=0)
-        return current
-
-    @find_executable_batch_size(starting_batch_size=per_process, reduce_batch_size_fn=next_smaller)
-    def largest_that_fits(size: int) -> int:
-        try_micro_batch(accelerator, task, model, data, probe_data, size)
-        return size
-
     model.train()
     try:
-        found = largest_that_fits()
-    except RuntimeError as err:
-        if "reached zero" not in str(err):
-            raise
-        found = 0  # said below, by every process together: the others must not wait for this one
+        for size in sorted(divisors(per_process), reverse=True):
+            try:
+                try_micro_batch(accelerator, task, model, data, probe_data, size)
+                ran_out = False
+            except Exception as err:
+                if not ran_out_of_memory(err):
+                    raise
+                ran_out = True
+            model.zero_grad(set_to_none=True)
+            if ran_out:
+                release_memory()  # what the failed pass left: gc, then the device's cache
+            if not processes_where(ran_out, accelerator, config.train.collective_timeout_s):
+                return size
     finally:
-        model.zero_grad(set_to_none=True)
         with torch.no_grad():
             for name, value in model.named_buffers():
                 value.copy_(buffers[name])
-    agreed = int(accelerator.gather(torch.tensor([found], device=accelerator.device)).min().item())
-    if not agreed:
-        raise UserError(f"train.micro_batch_size=auto: not even 1 sample per process fits in {accelerator.device.type} "
-                        "memory; use a smaller model or image size, mixed precision, or FSDP")
-    return agreed
+    raise UserError(f"train.micro_batch_size=auto: not even 1 sample per process fits in {accelerator.device.type} "
+                    "memory; use a smaller model or image size, mixed precision, or FSDP")
 
 
 def try_micro_batch(accelerator: Accelerator, task, model, data: Data, probe_data, size: int) -> None:

@@ -33,7 +33,9 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     """The global gradient norm before clipping; clips to max_norm when it is above 0 (train.clip_grad_norm)."""
     # max_norm=inf measures without clipping; Accelerate unscales fp16 gradients first either way, and the
     # GradScaler records there whether they overflowed.
-    return accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    # FSDP2's gradients are DTensors, and so is their norm: the global value, the same on every process
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 class NonFiniteGuard:

@@ -89,8 +89,10 @@ def schedule_overruns(cfg: TrainConfig, steps_per_epoch: int) -> str | None:
     return None
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> AppliedStepsLR:
-    return AppliedStepsLR(optimizer, LRFactor(cfg, steps_per_epoch))
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
+                    device: torch.device | None = None) -> AppliedStepsLR:
+    """`device`: where training runs (unset: the parameters' device; before prepare they may not be there yet)."""
+    return AppliedStepsLR(optimizer, LRFactor(cfg, steps_per_epoch), device)
 
 
 class AppliedStepsLR(LRScheduler):
@@ -107,12 +109,13 @@ class AppliedStepsLR(LRScheduler):
     checkpoints of earlier versions hold it, loads too.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, factor: LRFactor) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: LRFactor, device: torch.device | None = None) -> None:
         # LRScheduler.__init__ is not called: it would step once, the way LambdaLR's host counter does.
         self.optimizer, self.factor = optimizer, factor
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        self.device = next((param.device for group in optimizer.param_groups for param in group["params"]),
-                           torch.device("cpu"))
+        # the device of the guard's decision: a counter elsewhere would read it across devices at every step
+        self.device = device or next((param.device for group in optimizer.param_groups for param in group["params"]),
+                                     torch.device("cpu"))
         self.last_epoch = 0  # steps taken, applied or skipped (LRScheduler's name for it)
         self._step_count = 1
         self.applied = torch.zeros((), dtype=torch.long, device=self.device)

@@ -26,6 +26,7 @@ from accel_train.distributed.accelerator import (
     per_process_batch,
     round_up_to_world,
     run_info,
+    shards_gradients,
 )
 from accel_train.distributed.devices import set_numerics
 from accel_train.distributed.environment import launcher_environment
@@ -120,11 +121,18 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
         initial_weights(model, config.model.init_from, f"model.name={config.model.name} on {config.data.name}")
     model = maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
     model = tune_for_device(model, config.train.channels_last)
-    if accumulation is None:  # micro_batch_size=auto: the largest that fits, recorded in config.yaml
+    # micro_batch_size=auto: the largest micro-batch that fits, recorded in config.yaml; found before compiling (one
+    # compilation, for the size found). Under FSDP each process holds a shard of the model: searched once it is.
+    sharded = shards_gradients(accelerator)
+    if accumulation is None and not sharded:
         accumulation = fit_micro_batch(config, accelerator, task, model, train_data)
     model = compile_model(model, config.train.compile)
-    accelerator.gradient_accumulation_steps = accumulation
     optimizer = build_optimizer(config.train, model)
+    prepared_first = accumulation is None
+    if prepared_first:  # FSDP prepares (shards) the model with its optimizer
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accumulation = fit_micro_batch(config, accelerator, task, model, train_data)
+    accelerator.gradient_accumulation_steps = accumulation
     every = hooks.every()
     train_loader = make_loader(every.data_built(train_data, "train"), config.data, config.train.batch_size, True,
                                accelerator.device, accumulation)
@@ -133,9 +141,13 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     val_loader = make_loader(every.data_built(val_data, "val"), config.data, eval_batch, False,
                              accelerator.device) if val_data else None
     steps_per_epoch = len(train_loader) // accumulation
-    scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=steps_per_epoch)
-    model, optimizer, train_loader, test_loader, val_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, test_loader, val_loader, scheduler)
+    scheduler = build_scheduler(config.train, optimizer, steps_per_epoch=steps_per_epoch, device=accelerator.device)
+    if prepared_first:
+        train_loader, test_loader, val_loader, scheduler = accelerator.prepare(train_loader, test_loader, val_loader,
+                                                                               scheduler)
+    else:
+        model, optimizer, train_loader, test_loader, val_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, test_loader, val_loader, scheduler)
     every.model_prepared(model)
     set_seed(config.seed, device_specific=True)  # dropout differs per process
 

@@ -90,6 +90,17 @@ def test_an_fsdp_checkpoint_of_2_processes_resumes_at_3_like_the_uninterrupted_r
         assert relative <= 1e-5, f"{name}: resumed at 3 differs by {relative:.2e} (relative)"
 
 
+def test_fsdp_with_micro_batch_size_auto_searches_the_sharded_model_and_trains_like_one_plain_process(runs, tmp_path):
+    """What a process holds under FSDP is its shard: the search runs once the model is sharded, each size tried by
+    both processes together (its passes are collectives), and finds what fits (here: 6 samples, the injected limit)."""
+    out = tmp_path / "auto"
+    result = fsdp(f"output_dir={out}", "train.micro_batch_size=auto", env={"PROBE_OOM_ABOVE": "6"})
+    assert "train.micro_batch_size=auto: 6 samples per process fit in cpu memory, the model sharded over 2 (FSDP); " \
+           "train.accumulation_steps=2" in result.stdout, result.stdout[-3000:]
+    losses = [[line["loss"] for line in read_metrics(folder, "train")] for folder in (out, runs / "plain")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 def test_the_fsdp_profile_on_a_machine_without_gpu_says_it_trains_with_ddp(tmp_path):
     result = launch(2, "train", *RUN, "train.max_steps=1", f"output_dir={tmp_path}", profile="fsdp.yaml",
                     launcher_args=FP32)

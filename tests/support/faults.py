@@ -13,6 +13,7 @@ import time
 
 import torch
 from accelerate import PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import find_batch_size
 
 from accel_train import hooks
@@ -142,8 +143,12 @@ class FsdpOnCpu(hooks.Hooks):
     def accelerator_made(self, accelerator):
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+        # Both states: AcceleratorState copies PartialState's when made, and an Accelerator made before this reads
+        # its own copy (prepare would wrap the model with DDP, and only a later AcceleratorState() say FSDP)
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the profile's FSDP_* variables
+        assert accelerator.is_fsdp2, "the FSDP profile's plugin is not FSDP2"
 
 
 class CrashAfterSave(hooks.Hooks):
