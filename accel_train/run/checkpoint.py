@@ -21,7 +21,8 @@ previous checkpoints or the complete new one. Checkpoints are found and ordered 
 name; retention deletes only committed ones, after a newer one is committed.
 
 The loop asks whether a step is to be saved (`due`: the manager decides) and calls `save`, which first waits for the
-previous save; the end of the run waits for the last (`with Checkpoints`). `resume` restores the parts and returns
+previous save (at most checkpoint.upload_wait_s; a save that finds the writer still holding two is skipped, saying so:
+run/snapshot.py); the end of the run waits for the last (`with Checkpoints`). `resume` restores the parts and returns
 where training continues as a ResumePoint. Loading goes through `accelerator.load_state` with
 `weights_only=True` (safetensors for the model): nothing in a checkpoint can run code when it is read.
 """
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from accel_train.config import CheckpointConfig, Config
+    from accel_train.run.snapshot import Snapshot
 
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
@@ -170,15 +172,20 @@ class Checkpoints:
         saving = self.cfg.at_epoch_end or bool(self.cfg.every_steps)
         return every or (progress.at_epoch_end and self.cfg.at_epoch_end) or (last and saving)
 
-    def save(self, progress: Progress, evaluated: bool) -> str:
+    def save(self, progress: Progress, evaluated: bool) -> str | None:
         """Every process copies its part of the state to host memory, and training goes on while it is written
         (and uploaded) in the background; the main process commits the checkpoint once every part is there. Waits
         first for the previous save. `evaluated`: after the step's evaluation (its metrics go into checkpoint.json).
-        Returns where the checkpoint will be."""
+        Returns where the checkpoint will be; None when it is skipped, the writer still holding two before it."""
         began = time.perf_counter()
         self.settle()
-        hooks.every().checkpoint_saving(progress)
         accelerator = self.accelerator
+        if any_process(not self.snapshots.free(), accelerator):  # every process skips, or none (run/snapshot.py)
+            warn(accelerator, f"the checkpoint of step {progress.step} is skipped: the two before it are still being "
+                              f"{self.done} and hold host memory for two copies of the state; training goes on and "
+                              "the next save tries again")
+            return None
+        hooks.every().checkpoint_saving(progress)
         name = main_value(self._free_name(progress.step) if accelerator.is_main_process else None, accelerator)
         loop_state = {part_name: part.state_dict() for part_name, part in self.states.items()}
         partial = self.directory / f"{PARTIAL_PREFIX}{name}"
@@ -188,12 +195,13 @@ class Checkpoints:
                 for stale in self.directory.glob(f"{PARTIAL_PREFIX}*"):  # left by a save that a crash cut short
                     shutil.rmtree(stale, ignore_errors=True)
             accelerator.wait_for_everyone()
-            files = self.snapshots.take(accelerator)
-            if files is None:
+            snapshot = self.snapshots.take(accelerator)
+            if snapshot is None:
                 accelerator.save_state(str(partial))
         blocked = time.perf_counter() - began
         saved = copy.copy(progress)  # the loop goes on changing `progress`
-        job = self.worker.submit(self._write_and_commit, saved, evaluated, name, partial, files, loop_state, blocked)
+        job = self.worker.submit(self._write_and_commit, saved, evaluated, name, partial, snapshot, loop_state,
+                                 blocked)
         self.pending = (saved, job, self.where(self.directory / name))
         self.saves, self.blocked_s = self.saves + 1, self.blocked_s + blocked
         return self.pending[2]
@@ -243,19 +251,17 @@ class Checkpoints:
         return name
 
     def _write_and_commit(self, progress: Progress, evaluated: bool, name: str, partial: Path,
-                          files: dict | None, loop_state: dict, blocked: float) -> None:
+                          snapshot: Snapshot | None, loop_state: dict, blocked: float) -> None:
         """In the background: this process's part written (from the snapshot) and, for a store, uploaded; then on
         the main process, once every process's part is there, the checkpoint committed and old ones pruned."""
         started, accelerator = time.perf_counter(), self.accelerator
         process = accelerator.process_index
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
-            if files is not None:
-                from accel_train.run.snapshot import write
-
-                write(files, partial)
+            if snapshot is not None:
+                self.snapshots.write(snapshot, partial)
             _write_synced(partial / LOOP_STATE_FILE.format(process=process), json.dumps(loop_state))
             mine = sorted(path for path in partial.iterdir() if path.is_file() and not path.name.startswith("."))
-            if files is not None or self.mirror is not None:  # else save_state wrote them, synced at publishing
+            if snapshot is not None or self.mirror is not None:  # else save_state wrote them, synced at publishing
                 usual_permissions(*mine)
                 for path in mine:
                     _fsync(path)
