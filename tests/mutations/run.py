@@ -84,6 +84,10 @@ MUTATIONS = [
              "        buffers = self.free_sets.get_nowait()\n"
              "        self.free_sets.put(buffers)\n",
              ("tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py::test_a_checkpoint_whose_write_outlasts_upload_wait_s_holds_its_own_step_though_the_next_save_came_meanwhile",)),
+    Mutation("a save deletes the partial folder of a save still under way (that checkpoint is lost)",
+             "accel_train/run/checkpoint.py", "                    if stale.name not in under_way:",
+             "                    if True:",
+             ("tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py::test_a_checkpoint_whose_upload_outlasts_upload_wait_s_is_committed_though_training_saved_again_meanwhile",)),
     Mutation("the end of a run does not wait for its uploads (the background thread dies with the process)",
              "accel_train/run/location.py", "            self.submit(lambda: None).result(timeout=seconds)\n",
              "            self.submit(lambda: None)\n",
