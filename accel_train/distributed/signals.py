@@ -93,13 +93,13 @@ class StopSignals:
         self._last_check = (step, time.perf_counter())
         return received > 0
 
-    def stop_message(self, step: int, saved) -> str:
+    def stop_message(self, step: int, saved: str | None) -> str:
         """Where the run stopped and how it goes on: under a launcher that restarts (an elastic job's membership
-        change signals the workers too), the restart itself resumes."""
+        change signals the workers too), the restart itself resumes. `saved` None: that step's save was skipped."""
         launcher = launcher_environment()
         how = ("a restart by the launcher resumes from it (--max_restarts); else run the same command with resume=auto"
                if launcher.max_restarts > launcher.restart else "run the same command with resume=auto to continue")
-        return (f"stopped by {self.received or 'a signal to another process'} at step {step}; checkpoint saved in "
-                f"{saved}; {how}")
+        where = f"checkpoint saved in {saved}" if saved else "its checkpoint skipped (the newest committed one resumes)"
+        return f"stopped by {self.received or 'a signal to another process'} at step {step}; {where}; {how}"
 
 

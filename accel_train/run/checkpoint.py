@@ -21,9 +21,12 @@ previous checkpoints or the complete new one. Checkpoints are found and ordered 
 name; retention deletes only committed ones, after a newer one is committed.
 
 The loop asks whether a step is to be saved (`due`: the manager decides) and calls `save`, which first waits for the
-previous save; the end of the run waits for the last (`with Checkpoints`). `resume` restores the parts and returns
-where training continues as a ResumePoint. Loading goes through `accelerator.load_state` with
-`weights_only=True` (safetensors for the model): nothing in a checkpoint can run code when it is read.
+previous save (at most checkpoint.upload_wait_s; a save that finds the writer still holding two is skipped, saying so:
+run/snapshot.py); the end of the run waits for the last (`with Checkpoints`). A save the wait gave up on goes on in
+the background and commits itself when it ends; the next save or the end says how it ended, and no save deletes its
+`.partial-` folder meanwhile. `resume` restores the parts and returns where training continues as a ResumePoint.
+Loading goes through `accelerator.load_state` with `weights_only=True` (safetensors for the model): nothing in a
+checkpoint can run code when it is read.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import os
 import pickle
 import shutil
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -59,10 +62,13 @@ from accel_train.state import Progress, ResumePoint
 from accel_train.storage import StoreUnavailable, is_remote, join
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
     from accelerate import Accelerator
 
     from accel_train.config import CheckpointConfig, Config
+    from accel_train.run.snapshot import Snapshot
 
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
@@ -110,6 +116,16 @@ def _sizes(parts: dict[str, list]) -> dict[str, int]:
     return {file: part[0] for file, part in parts.items()}
 
 
+@dataclass
+class UnderWay:
+    """A save written in the background that the training thread has not yet seen end."""
+
+    progress: Progress
+    name: str  # its folder's, `.partial-NAME` until committed
+    job: Future
+    location: str  # where it will be, as the user knows it
+
+
 def resume_position(meta: dict) -> tuple[int, int]:
     """(epoch to continue, optimizer steps of it already taken) for a checkpoint's metadata: a checkpoint of an
     epoch's last step continues with the next epoch (that step's evaluation came before the save)."""
@@ -133,7 +149,9 @@ class Checkpoints:
         self.done = "uploaded" if self.mirror is not None else "written"  # what the background does, as lines say it
         from accel_train.run.snapshot import Snapshots  # torch: not before the checks that need none
 
-        self.snapshots, self.pending, self.abandoned = Snapshots(), None, False
+        self.snapshots, self.abandoned = Snapshots(), False
+        self.pending: UnderWay | None = None  # the newest save, waited for by the next save or the end
+        self.overdue: list[UnderWay] = []  # saves that wait gave up on, oldest first: still under way, or not yet said
         self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
         states = states or {}
         for part in states.values():
@@ -170,33 +188,43 @@ class Checkpoints:
         saving = self.cfg.at_epoch_end or bool(self.cfg.every_steps)
         return every or (progress.at_epoch_end and self.cfg.at_epoch_end) or (last and saving)
 
-    def save(self, progress: Progress, evaluated: bool) -> str:
+    def save(self, progress: Progress, evaluated: bool) -> str | None:
         """Every process copies its part of the state to host memory, and training goes on while it is written
         (and uploaded) in the background; the main process commits the checkpoint once every part is there. Waits
         first for the previous save. `evaluated`: after the step's evaluation (its metrics go into checkpoint.json).
-        Returns where the checkpoint will be."""
+        Returns where the checkpoint will be; None when it is skipped, the writer still holding two before it."""
         began = time.perf_counter()
         self.settle()
-        hooks.every().checkpoint_saving(progress)
         accelerator = self.accelerator
+        if any_process(not self.snapshots.free(), accelerator):  # every process skips, or none (run/snapshot.py)
+            warn(accelerator, f"the checkpoint of step {progress.step} is skipped: the two before it are still being "
+                              f"{self.done} and hold host memory for two copies of the state; training goes on and "
+                              "the next save tries again")
+            return None
+        hooks.every().checkpoint_saving(progress)
         name = main_value(self._free_name(progress.step) if accelerator.is_main_process else None, accelerator)
         loop_state = {part_name: part.state_dict() for part_name, part in self.states.items()}
         partial = self.directory / f"{PARTIAL_PREFIX}{name}"
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
             if accelerator.is_main_process or self.mirror is not None:  # a staging folder is this process's own
                 self.directory.mkdir(parents=True, exist_ok=True)
-                for stale in self.directory.glob(f"{PARTIAL_PREFIX}*"):  # left by a save that a crash cut short
-                    shutil.rmtree(stale, ignore_errors=True)
+                # locally the main process's saves stand for every process's: each is under way there until it has
+                # committed (every part written) or given up; in a store nothing deletes a partial prefix
+                under_way = {f"{PARTIAL_PREFIX}{save.name}" for save in self.overdue}
+                for stale in self.directory.glob(f"{PARTIAL_PREFIX}*"):
+                    if stale.name not in under_way:  # left by a save that a crash cut short
+                        shutil.rmtree(stale, ignore_errors=True)
             accelerator.wait_for_everyone()
-            files = self.snapshots.take(accelerator)
-            if files is None:
+            snapshot = self.snapshots.take(accelerator)
+            if snapshot is None:
                 accelerator.save_state(str(partial))
         blocked = time.perf_counter() - began
         saved = copy.copy(progress)  # the loop goes on changing `progress`
-        job = self.worker.submit(self._write_and_commit, saved, evaluated, name, partial, files, loop_state, blocked)
-        self.pending = (saved, job, self.where(self.directory / name))
+        job = self.worker.submit(self._write_and_commit, saved, evaluated, name, partial, snapshot, loop_state,
+                                 blocked)
+        self.pending = UnderWay(saved, name, job, self.where(self.directory / name))
         self.saves, self.blocked_s = self.saves + 1, self.blocked_s + blocked
-        return self.pending[2]
+        return self.pending.location
 
     def where(self, folder: Path) -> str:
         """A checkpoint folder as the user knows it: its URL for a run folder in a store."""
@@ -207,33 +235,53 @@ class Checkpoints:
     def settle(self, bound_s: float | None = None, at_end: bool = False) -> None:
         """Wait (at most `bound_s`, else checkpoint.upload_wait_s) for the pending save: its checkpoint_saved hook
         runs on this thread, or its failure is said (raised with checkpoint.require_upload, or when the disk
-        failed)."""
-        if self.pending is None:
-            return
-        progress, job, location = self.pending
+        failed). A save this wait gives up on goes on (it commits itself) and is said once it has ended, at a later
+        settle: its hook, or one warning; the end waits for it too, and says which it ends without."""
         bound_s = self.cfg.upload_wait_s if bound_s is None else bound_s
+        if self.pending is not None or (at_end and self.overdue):
+            self.worker.idle_within(bound_s)  # every job so far, run in the order submitted: these saves' among them
+        for save in [save for save in self.overdue if save.job.done()]:
+            self.overdue.remove(save)
+            self._said_late(save)
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.job.done():
+            self._said(pending)
+        elif pending is not None:
+            self.overdue.append(pending)
+            if not at_end:
+                warn(self.accelerator, f"the checkpoint of step {pending.progress.step} is still being {self.done} "
+                                       f"after {bound_s:g} s (checkpoint.upload_wait_s); going on without it: it is "
+                                       "committed if it ends, and a later line says if it fails")
+        if at_end:
+            for save in self.overdue:
+                warn(self.accelerator, f"the checkpoint of step {save.progress.step} is still being {self.done} "
+                                       f"after {bound_s:g} s (checkpoint.upload_wait_s); ending without it: "
+                                       "resume=auto takes the newest committed checkpoint")
+            self.overdue = []
+
+    def _said(self, save: UnderWay) -> None:
+        """A save the training thread waited for, ended."""
         try:
-            if not self.worker.idle_within(bound_s):  # every upload asked for so far, this checkpoint's among them
-                raise FutureTimeout
-            job.result(timeout=0)
-        except FutureTimeout:
-            self.pending = None
-            warn(self.accelerator, f"the checkpoint of step {progress.step} is still being "
-                                   f"{self.done} after {bound_s:.0f} s "
-                                   "(checkpoint.upload_wait_s); " + ("ending without it: resume=auto takes the newest "
-                                                                     "committed checkpoint" if at_end else
-                                                                     "going on without it"))
-            return
+            save.job.result(timeout=0)
         except StoreUnavailable as err:
-            self.pending = None
             if self.cfg.require_upload:
                 raise
-            say(f"accel-train: warning: the checkpoint of step {progress.step} did not reach the store ({err}); "
+            say(f"accel-train: warning: the checkpoint of step {save.progress.step} did not reach the store ({err}); "
                 "training goes on and the next save tries again (checkpoint.require_upload=true stops instead)",
                 error=True)
             return
-        self.pending = None
-        hooks.every().checkpoint_saved(progress, location)
+        hooks.every().checkpoint_saved(save.progress, save.location)
+
+    def _said_late(self, save: UnderWay) -> None:
+        """A save training went on without, ended: committed (its worker did it), or failed, which is a warning, not
+        an error: the run already goes on without it. Each process says its own failure (errors.py)."""
+        error = save.job.exception(timeout=0)
+        if error is None:
+            hooks.every().checkpoint_saved(save.progress, save.location)
+            return
+        reason = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"  # ours: one line
+        say(f"accel-train: warning: the checkpoint of step {save.progress.step} failed after training went on without "
+            f"it ({reason.splitlines()[0]}); resume=auto takes the newest committed checkpoint", error=True)
 
     def _free_name(self, step: int) -> str:
         name, suffix = f"step-{step:08d}", 1
@@ -243,19 +291,17 @@ class Checkpoints:
         return name
 
     def _write_and_commit(self, progress: Progress, evaluated: bool, name: str, partial: Path,
-                          files: dict | None, loop_state: dict, blocked: float) -> None:
+                          snapshot: Snapshot | None, loop_state: dict, blocked: float) -> None:
         """In the background: this process's part written (from the snapshot) and, for a store, uploaded; then on
         the main process, once every process's part is there, the checkpoint committed and old ones pruned."""
         started, accelerator = time.perf_counter(), self.accelerator
         process = accelerator.process_index
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
-            if files is not None:
-                from accel_train.run.snapshot import write
-
-                write(files, partial)
+            if snapshot is not None:
+                self.snapshots.write(snapshot, partial)
             _write_synced(partial / LOOP_STATE_FILE.format(process=process), json.dumps(loop_state))
             mine = sorted(path for path in partial.iterdir() if path.is_file() and not path.name.startswith("."))
-            if files is not None or self.mirror is not None:  # else save_state wrote them, synced at publishing
+            if snapshot is not None or self.mirror is not None:  # else save_state wrote them, synced at publishing
                 usual_permissions(*mine)
                 for path in mine:
                     _fsync(path)
@@ -306,7 +352,7 @@ class Checkpoints:
                 raise UserError(f"the checkpoint of step {step} was abandoned: training ended with an error")
             if time.monotonic() > deadline:
                 raise UserError(f"the checkpoint of step {step}: process(es) {', '.join(map(str, missing))} did not "
-                                f"write their part within {self.cfg.upload_wait_s:.0f} s (checkpoint.upload_wait_s)")
+                                f"write their part within {self.cfg.upload_wait_s:g} s (checkpoint.upload_wait_s)")
             time.sleep(0.05)
         if self.mirror is None:
             for marker in markers:

@@ -182,7 +182,7 @@ class Mirror:
         if self.worker.idle_within(bound_s):
             shutil.rmtree(self.staging, ignore_errors=True)
             return True
-        self.warn(f"uploads to {self.url} still under way after {bound_s:.0f} s (checkpoint.upload_wait_s); ending "
+        self.warn(f"uploads to {self.url} still under way after {bound_s:g} s (checkpoint.upload_wait_s); ending "
                   f"without them: the store has the run up to its newest committed checkpoint, and resume=auto "
                   f"continues from there")
         return False

@@ -34,8 +34,6 @@ stops is named, and the job ends.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from accel_train import hooks
 from accel_train.config import Config
 from accel_train.console import note
@@ -113,7 +111,7 @@ def validate(run: Run) -> bool:
     return stop_early
 
 
-def save(run: Run, evaluated: bool) -> Path:
+def save(run: Run, evaluated: bool) -> str | None:
     """A checkpoint of the step just taken, on every process; `evaluated`: after that step's evaluation."""
     run.guard.check(run.progress)  # never save past a non-finite step (stop policy)
     with run.meter.paused(), run.watchdog.paused():

@@ -30,6 +30,13 @@ def test_a_stop_says_how_the_run_goes_on_under_the_launcher_it_runs_under(monkey
         f"stopped by SIGTERM at step 12; checkpoint saved in runs/a/checkpoints/step-00000012; {told}")
 
 
+def test_a_stop_whose_save_was_skipped_says_the_newest_committed_checkpoint_resumes():
+    signals = StopSignals(SimpleNamespace(process_index=0, num_processes=1))
+    signals.received = "SIGTERM"
+    assert signals.stop_message(12, None).startswith(
+        "stopped by SIGTERM at step 12; its checkpoint skipped (the newest committed one resumes); ")
+
+
 class PeerGone(hooks.Hooks):
     """The gradient all-reduce fails as gloo's transport fails when another process died."""
 

@@ -57,10 +57,10 @@ MUTATIONS = [
              "accelerator.gather(outputs)",
              ("tests/distributed/test_exact_eval_at_any_world_size_and_world_size_checks.py::test_eval_is_exact_at_any_world_size",)),
     Mutation("checkpoint metadata written before the files (published, then saved into)",
-             "accel_train/run/checkpoint.py", "                write(files, partial)\n",
+             "accel_train/run/checkpoint.py", "                self.snapshots.write(snapshot, partial)\n",
              "                if accelerator.is_main_process:\n"
              "                    self._publish(progress, evaluated, partial, name, {})\n"
-             "                write(files, partial)\n",
+             "                self.snapshots.write(snapshot, partial)\n",
              ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_from_that_checkpoint_of_its_own_folder_as_if_never_interrupted",
               "tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
     Mutation("a checkpoint's manifest written before its objects are uploaded",
@@ -79,6 +79,15 @@ MUTATIONS = [
              "self.cfg.keep_last]:\n"
              "                self._delete(*old)\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::test_retention_keeps_the_checkpoint_a_start_resumed_from_until_a_newer_one_is_committed_and_nothing_else_is_touched",)),
+    Mutation("a buffer reused while its writer still reads it (a checkpoint mixes two steps)",
+             "accel_train/run/snapshot.py", "        buffers = self.free_sets.get_nowait()\n",
+             "        buffers = self.free_sets.get_nowait()\n"
+             "        self.free_sets.put(buffers)\n",
+             ("tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py::test_a_checkpoint_whose_write_outlasts_upload_wait_s_holds_its_own_step_though_the_next_save_came_meanwhile",)),
+    Mutation("a save deletes the partial folder of a save still under way (that checkpoint is lost)",
+             "accel_train/run/checkpoint.py", "                    if stale.name not in under_way:",
+             "                    if True:",
+             ("tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py::test_a_checkpoint_whose_upload_outlasts_upload_wait_s_is_committed_though_training_saved_again_meanwhile",)),
     Mutation("the end of a run does not wait for its uploads (the background thread dies with the process)",
              "accel_train/run/location.py", "            self.submit(lambda: None).result(timeout=seconds)\n",
              "            self.submit(lambda: None)\n",
