@@ -3,7 +3,8 @@
 A run is a function of its config, not of its machines: the data order is a function of (seed, epoch), the
 batch is global and the LR schedule counts optimizer steps, so a run stopped in the middle of an epoch and
 continued at another world size trains the same global batches at the same LRs as the uninterrupted run, and
-its weights and metrics.jsonl lines agree within the tolerance of the N x B contract (float reduction order).
+its weights and metrics.jsonl lines agree within the tolerance of the N x B contract (float reduction order), at
+fp32 on the CPU (docs/contracts.md gives the tolerances at other precisions and on GPUs).
 
 The runs are those of the documented proof, examples/resume_at_another_world_size.sh (docs/checkpoints.md), run
 once with overrides and its runs launched through tests/launched_probe.py (LAUNCH_TARGET), whose recorders write

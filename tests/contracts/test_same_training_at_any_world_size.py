@@ -1,7 +1,9 @@
 """Contracts users rely on when they change the number of processes: same global batch, same training.
 
 Runs go through the shipped multi_gpu profile (a gloo group on CPU) and tests/launched_probe.py, which
-is the real CLI plus recorders of what each process read, drew for augmentation, and the LR schedules.
+is the real CLI plus recorders of what each process read, drew for augmentation, and the LR schedules. They compare
+at fp32 on the CPU, one thread a process (multi_gpu.yaml's fp16 runs in fp32 there); what holds at other precisions
+and on GPUs, and within which tolerance: docs/contracts.md.
 """
 
 import json

@@ -8,6 +8,10 @@ workloads/test_user_code_python_api_and_predict.py. multi_gpu.yaml has no row he
 through it, and contracts/test_same_training_at_any_world_size.py compares it at 2 and 3 processes with one
 process. The reference run and the check are support/launching.py's. On a GPU-less machine the GPU profiles form
 a gloo group on the CPU; "nodes" are launches on 127.0.0.1 started together.
+
+Every comparison here is at fp32 on the CPU, one thread a process: the profiles that ask for fp16 train in fp32
+there, and say so. At fp16 or bf16 on a GPU a path matches one process only within docs/contracts.md's
+tolerances, which `make gpu-check` holds a GPU run to.
 """
 
 from pathlib import Path
