@@ -127,6 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("--shards", metavar="URL", help="instead: the input pipeline over the recipe's images as shards "
                        "at URL (cold and warm cache), as an ImageFolder tree, and through webdataset's loader")
+    bench.add_argument("--overhead", action="store_true", help="only the overhead row: our loop against a plain "
+                       "PyTorch loop, at the launch's mixed precision (ACCELERATE_MIXED_PRECISION=bf16 ...)")
     bench.add_argument("--saves", action="store_true", help="instead: how long a checkpoint holds training, saved "
                        "in the background against a synchronous save (recipe default cifar10_resnet50)")
     bench.add_argument("--saves-into", metavar="URL", help="with --saves: save into this folder or URL (s3://...) "
@@ -326,7 +328,7 @@ def _run(args: argparse.Namespace) -> None:
 
         from accel_train.tools.bench import run_bench
 
-        run_bench(recipe, overrides, args.quick, args.processes, args.peak_tflops, args.steps)
+        run_bench(recipe, overrides, args.quick, args.processes, args.peak_tflops, args.steps, args.overhead)
         return
     recipe, overrides = _recipe_or_override(args.recipe, overrides)
     given, overrides = _arguments(overrides, COMMAND_ARGUMENTS.get(args.command, {}), args.command)

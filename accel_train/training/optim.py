@@ -138,7 +138,8 @@ class AppliedStepsLR(LRScheduler):
                 group["lr"] = base
             return
         # Past the table's end (a resumed run longer than the saved schedule) the last LR holds.
-        lrs = self.table[self.applied.clamp(max=len(self.table) - 1)]
+        # index_select, not table[applied]: a 0-dim index tensor is read on the host like a Python int
+        lrs = self.table.index_select(0, self.applied.clamp(max=len(self.table) - 1).reshape(1))[0]
         for group, lr in zip(self.optimizer.param_groups, lrs.unbind()):
             group["lr"] = lr
 

@@ -162,8 +162,7 @@ MUTATIONS = [
     # finite does not, so without the reduction only the process that saw it skips and stops.
     Mutation("the non-finite guard decides per process (its cross-process reduction removed)",
              "accel_train/training/guard.py",
-             'self.accelerator.reduce((~torch.isfinite(checked)).any().float(), reduction="max")',
-             "(~torch.isfinite(checked)).any().float()",
+             'self.accelerator.reduce(flags, reduction="max").unbind()', "flags.unbind()",
              ("tests/training/test_nonfinite_guard.py::test_a_nonfinite_loss_on_one_process_with_finite_gradients_stops_every_process_at_that_step",)),
     # loop.py, save(): the guard's host read before a checkpoint. The stop tests that log every step stop at the
     # train line first; with the non-finite step between train lines, this check alone keeps it out of a save.
