@@ -232,7 +232,13 @@ def install(check: Check) -> None:
     elif not wheels:
         row.note = f"no wheels in {check.wheels} (make gpu-wheels): only this Python's packages"
     installs = [("the wheels", [*pip, *map(str, wheels)])] if wheels and not check.dry_run else []
-    for what, command in [*installs, ("accel-train", [*pip, "--no-build-isolation", str(REPO)])]:
+    source = check.out / "source"  # a copy: building in the repo would leave build/ and an egg-info there
+    shutil.rmtree(source, ignore_errors=True)
+    for folder in ("accel_train", "accelerate_configs"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for file in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / file, source / file)
+    for what, command in [*installs, ("accel-train", [*pip, "--no-build-isolation", str(source)])]:
         try:  # without the package's install the rows still import it from the repo (PYTHONPATH)
             check.run(command)
         except Failed as failure:
