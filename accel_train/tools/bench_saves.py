@@ -37,8 +37,8 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
     model = build_model(config.model, config.data.num_classes or 10, (3, side, side))
     optimizer = build_optimizer(config.train, model)
     model, optimizer = accelerator.prepare(model, optimizer)
-    inputs = torch.randn(2, 3, side, side, device=accelerator.device)  # where prepare put the model (a GPU's)
-    torch.nn.functional.cross_entropy(model(inputs), torch.tensor([0, 1], device=accelerator.device)).backward()
+    inputs = torch.randn(2, 3, side, side)
+    torch.nn.functional.cross_entropy(model(inputs), torch.tensor([0, 1])).backward()
     optimizer.step()  # AdamW's state exists: a checkpoint's size
     size_mb = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters()) / 2**20
     scratch = Path(tempfile.mkdtemp(prefix="accel-train-bench-saves-"))
