@@ -5,6 +5,9 @@
 # make test-min  - the contract tests at the lowest versions pyproject.toml allows (accelerate, evaluate, datasets,
 #                  numpy, pyyaml, tqdm, safetensors, matplotlib, psutil, packaging, tensorboard) beside this torch
 # make mutations - break each contract in turn (tests/mutations/run.py) and show a test fails; not part of test
+# make gpu-wheels - here, with the package index: .gpu-wheels/, the wheels a fresh GPU machine lacks (for gpu-check)
+# make gpu-check - on a machine with one GPU and no network, from the repo root with .gpu-wheels/ beside it: what only
+#                  a GPU shows, one table in at most 8 minutes (tools/gpu_check.py); DRY_RUN=1: every row on the CPU
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,7 +22,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # cores, at most 4, since one test may start several training processes.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install data demo lint test test-fast test-min mutations clean
+# The GPU machine's python3 (3.12, torch, accelerate, torchvision, pandas, pyarrow, xxhash, fsspec, huggingface-hub,
+# pytest, pytest-xdist, ...) lacks these of accel-train's dependencies and theirs, nothing else: datasets and evaluate
+# (and their dill and multiprocess, at datasets' bounds), plus webdataset and braceexpand, which two test files of
+# the fast tier import. Pure-Python wheels, about 1 MiB; the versions make test installs here.
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_PINS := datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 webdataset==1.0.2 braceexpand==0.1.7
+
+.PHONY: install data demo lint test test-fast test-min mutations gpu-wheels gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -67,6 +77,17 @@ test-min: install data
 # One-off, not in CI: about 10 minutes, and it edits the working tree while it runs (restoring every file).
 mutations: install
 	$(BIN)/python tests/mutations/run.py $(MUTATIONS)
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	@ls -1 $(GPU_WHEELS); echo "$(GPU_WHEELS): $$(du -ch $(GPU_WHEELS)/*.whl | tail -1 | cut -f1) in all"
+
+# No install: the GPU machine has no network. Its python3 runs the check, which installs .gpu-wheels/ itself.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) runs data .pytest_cache

@@ -16,8 +16,14 @@ MULTI_NODE = ["--config_file", str(PROFILES / "multi_node.yaml")]
 @pytest.fixture
 def doctor(monkeypatch, capsys):
     """`accel-train doctor ARGS` in this process (it reads flags, files and the environment, nothing a process
-    boundary changes), with NCCL/GLOO_SOCKET_IFNAME unset unless `env` sets them."""
+    boundary changes), with NCCL/GLOO_SOCKET_IFNAME unset unless `env` sets them, and any GPU hidden: these are a
+    CPU node's checks (gloo, fp16 falling back), as on a machine without one; CUDA_VISIBLE_DEVICES cannot hide it
+    from a process whose torch has already looked."""
+    import torch
+
     from accel_train import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     def run(*args, env=None):
         for name, value in {"GLOO_SOCKET_IFNAME": "", "NCCL_SOCKET_IFNAME": "", **(env or {})}.items():

@@ -89,14 +89,11 @@ def test_profiles_lists_every_shipped_profile_with_what_it_is_for_and_profile_pr
 
 
 def test_version_names_accel_train_torch_torchvision_accelerate_and_the_devices():
-    import torch
-
     lines = dict(line.split(maxsplit=1) for line in run_cli("--version").stdout.splitlines())
     assert lines["accel-train"] == accel_train.__version__ == metadata.version("accel-train")
     for name in ("torch", "torchvision", "accelerate"):
         assert lines[name] == metadata.version(name)
-    assert lines["devices"].startswith(f"{torch.cuda.device_count()} CUDA GPU" if torch.cuda.is_available()
-                                       else "no GPU visible; CPU with")
+    assert lines["devices"].startswith("no GPU visible; CPU with")  # commands run with any GPU hidden (command_env)
     assert "problem:" not in lines
 
 

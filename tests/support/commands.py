@@ -24,11 +24,15 @@ def free_port() -> int:
 
 
 def command_env(extra: dict | None = None) -> dict:
-    """The environment a command runs in: this one, one thread, no network, no progress bars, plus `extra`."""
+    """The environment a command runs in: this one, one thread, no network, no progress bars, no GPU, plus `extra`.
+
+    The GPU is hidden (CUDA_VISIBLE_DEVICES="") because the launched contracts are the CPU's: gloo groups of several
+    processes, fp16 profiles falling back to fp32. On a machine with one GPU they would otherwise put 2 or 3
+    processes on it. What a GPU changes, `make gpu-check` runs (tools/gpu_check.py)."""
     env = dict(os.environ)
     env.pop("WORLD_SIZE", None)
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
-                **(extra or {})})
+                "CUDA_VISIBLE_DEVICES": "", **(extra or {})})
     return env
 
 
