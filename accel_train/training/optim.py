@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -51,16 +52,20 @@ class LRFactor:
         self.total_steps = total_steps(cfg, steps_per_epoch)
 
     def __call__(self, step: int) -> float:
-        warmup = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
-        epoch = step // self.steps_per_epoch
+        return float(self.factors(np.array([step]))[0])
+
+    def factors(self, steps: np.ndarray) -> np.ndarray:
+        """The multiplier at each of `steps` (integers), in float64: a whole schedule in one go."""
+        warmup = np.minimum(1.0, (steps + 1) / self.warmup_steps) if self.warmup_steps else np.ones(len(steps))
+        epoch = steps // self.steps_per_epoch
         if self.schedule == "step":
-            decay = self.gamma ** (epoch // self.step_epochs)
+            decay = np.power(self.gamma, epoch // self.step_epochs, dtype=np.float64)
         elif self.schedule == "exponential":
-            decay = self.gamma ** epoch
+            decay = np.power(self.gamma, epoch, dtype=np.float64)
         elif self.schedule == "cosine":
-            decay = 0.5 * (1 + math.cos(math.pi * min(step, self.total_steps) / max(1, self.total_steps)))
+            decay = 0.5 * (1 + np.cos(math.pi * np.minimum(steps, self.total_steps) / max(1, self.total_steps)))
         else:
-            decay = 1.0
+            decay = np.ones(len(steps))
         return warmup * decay
 
 
@@ -102,8 +107,9 @@ class AppliedStepsLR(LRScheduler):
     advance the schedule, but whether it was skipped is known only on the device: reading it would stop the host at
     every step. So the schedule's position (`applied`) is a device counter, and each parameter group's LR a device
     tensor picked from a table of the schedule's LRs, which the fused optimizers read on the device. The table holds
-    the very floats LambdaLR would compute (float64; float32 on CUDA, whose fused kernels read no other). A constant
-    schedule without warmup keeps plain float LRs: it has nothing to advance.
+    LRFactor's floats (float64; float32 on CUDA, whose fused kernels read no other), computed in one go with numpy
+    (450,000 steps, ImageNet's 90 epochs at batch 256, in milliseconds). A constant schedule without warmup keeps
+    plain float LRs: it has nothing to advance.
 
     Its state (the position, LRFactor's settings, the base LRs) is saved with each checkpoint; LambdaLR's state, as
     checkpoints of earlier versions hold it, loads too.
@@ -128,8 +134,8 @@ class AppliedStepsLR(LRScheduler):
             self.table = None
         else:
             dtype = torch.float32 if self.device.type == "cuda" else torch.float64
-            rows = [[base * factor(position) for base in self.base_lrs] for position in range(steps + 1)]
-            self.table = torch.tensor(rows, dtype=dtype, device=self.device)
+            rows = np.outer(factor.factors(np.arange(steps + 1)), self.base_lrs)  # 8 bytes a position and group
+            self.table = torch.from_numpy(rows).to(device=self.device, dtype=dtype)
         self._set_lrs()
 
     def _set_lrs(self) -> None:
