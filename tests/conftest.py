@@ -3,7 +3,15 @@
 Every process a test starts ends with the test, and the tests that start processes are marked `processes`
 (support/processes.py: make test-fast leaves them out)."""
 
+import os
+
 import pytest
+
+# On a machine with a GPU the suite hides it, before torch looks: its contracts compare runs with references computed on
+# the CPU and inject faults into CPU tensors; what a GPU changes is make gpu-check's (tools/gpu_check.py).
+# ACCEL_TRAIN_TESTS_SEE_GPU=1 leaves it visible, to see which contracts a GPU's kernels keep bit for bit.
+if os.environ.get("ACCEL_TRAIN_TESTS_SEE_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # torch's import asks ldconfig once for system libraries (cuda.pathfinder): done here, before any test, so that the
 # test that happens to import torch first is not taken for one that starts a process.

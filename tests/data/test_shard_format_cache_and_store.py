@@ -130,7 +130,7 @@ def test_blocks_are_runs_of_whole_samples_of_about_block_bytes_covering_every_sa
 # The store
 
 
-@pytest.mark.parametrize("where", ["folder", "s3"])
+@pytest.mark.parametrize("where", ["folder", pytest.param("s3", marks=pytest.mark.store)])  # its store by name
 def test_a_store_reads_ranges_writes_lists_and_removes_alike_at_a_folder_and_at_an_s3_url(where, tmp_path, request):
     object_store = request.getfixturevalue("object_store") if where == "s3" else None
     store = Store(object_store.url("set") if object_store else str(tmp_path / "set"))

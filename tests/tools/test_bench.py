@@ -9,6 +9,7 @@ import torch
 
 from support.commands import run_cli
 from support.locations import needs_fashion_mnist
+from support.runs import read_metrics
 
 TINY = ["data.synthetic=true", "data.train_subset=64", "data.eval_subset=16", "train.batch_size=8",
         "train.eval_batch_size=16", "data.num_workers=1"]
@@ -123,3 +124,15 @@ def test_bench_saves_steps_the_model_where_prepare_put_it():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     first_step(model, optimizer, 32)
     assert all(state["momentum_buffer"].device.type == "meta" for state in optimizer.state.values())
+
+
+def test_the_overhead_run_on_synthetic_data_is_one_epoch_so_no_evaluation_or_checkpoint_falls_inside_a_window(
+        tmp_path):
+    """The plain loop it is compared with neither evaluates nor saves: FakeData's 512 images (4 steps of 128) would
+    put an epoch's end, its evaluation and its checkpoint, inside each timed window of ours."""
+    run_cli("bench", "--overhead", "--quick", "--steps", "2", "fashion_mnist_fast", "data.synthetic=true",
+            "train.batch_size=128", "data.eval_subset=16", "data.num_workers=1", f"output_dir={tmp_path}", timeout=600)
+    run = tmp_path / "runs" / "overhead_0"
+    assert [line["step"] for line in read_metrics(run, "train")] == [2, 4, 6, 8]
+    evaluated = [line["step"] for split in ("val", "test") for line in read_metrics(run, split)]
+    assert evaluated and set(evaluated) == {8}, evaluated  # at the run's end only
