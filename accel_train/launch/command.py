@@ -129,13 +129,15 @@ def join(ip: str, port: int, rank: int, machines: int, deadline: float, give_up:
                     break
                 except (RuntimeError, OSError) as err:
                     reason = str(err).splitlines()[0]
-            if time.monotonic() >= deadline:
-                raise LaunchError(f"gave up: machine 0 never answered at {ip}:{port} ({reason}). Start machine 0, or "
-                                  f"check --main_process_ip, the port and the firewall: {doctor}")
+            # said before the deadline is looked at: a machine slow to start (its timeout spent importing torch)
+            # still names what it waited for once before it gives up
             if time.monotonic() - said >= SAY_EVERY_S:
                 said = time.monotonic()
                 say(f"0 of {machines} machines joined: machine 0 not reached at {ip}:{port} ({reason}); {give_up}; "
                     f"{doctor}")
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"gave up: machine 0 never answered at {ip}:{port} ({reason}). Start machine 0, or "
+                                  f"check --main_process_ip, the port and the firewall: {doctor}")
             time.sleep(1.0)
     if int(store.add(f"{KEY}/rank/{rank}", 1)) > 1:
         raise LaunchError(f"two machines were started with --machine_rank {rank}: give each machine its own rank, "
