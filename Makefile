@@ -17,6 +17,7 @@ MIN_VENV := .venv-min
 # writes no .pyc unless told: without --compile-bytecode every process compiles torch again (4 s more per start).
 UV := $(BIN)/uv
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
+PHOTOS := /usr/share/backgrounds/mate/nature
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Test files run in parallel, one file per worker (its module fixtures are built once): as many workers as
 # cores, at most 4, since one test may start several training processes.
@@ -40,13 +41,19 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Fashion-MNIST offline from Debian's dataset-fashion-mnist where apt is available; otherwise
-# torchvision downloads it on first use.
+# torchvision downloads it on first use. Photographs from Debian's mate-backgrounds, of which bench --input and its
+# tests make an ImageNet-shaped folder of JPEGs (accel_train/tools/photos.py).
 data:
 	@if [ -d $(FASHION_MNIST) ]; then echo "Fashion-MNIST found in $(FASHION_MNIST)"; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist >/dev/null \
 		|| echo "warning: could not install dataset-fashion-mnist; torchvision will download Fashion-MNIST"; \
 	else echo "no apt-get: torchvision will download Fashion-MNIST on first use"; fi
+	@if [ -d $(PHOTOS) ]; then echo "photographs found in $(PHOTOS)"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq mate-backgrounds >/dev/null \
+		|| echo "warning: could not install mate-backgrounds; bench --input needs data.root=FOLDER"; \
+	else echo "no apt-get: bench --input needs data.root=FOLDER (a folder of images)"; fi
 
 demo: install data
 	@rm -rf runs/demo; start=$$(date +%s); \

@@ -38,6 +38,8 @@ accel-train bench --shards URL [RECIPE] [KEY=VALUE ...]  shards in a store (cold
                                                          webdataset's loader, same images
 accel-train bench --saves [--saves-into URL] [RECIPE]    what a checkpoint save blocks: in the background vs
                                                          synchronous (a local folder, or URL)
+accel-train bench --input [data.root=FOLDER]             images/s per core from image files: decoding alone,
+                                                         torchvision's recipe, ours, our shards, webdataset
 accel-train --version                                    versions of accel-train, torch, torchvision, accelerate;
                                                          the devices visible
 accel-train COMMAND --help                               one command's usage, with examples
@@ -127,13 +129,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="optimizer steps per timed window (default 10 quick, 50 full)")
     bench.add_argument("--shards", metavar="URL", help="instead: the input pipeline over the recipe's images as shards "
                        "at URL (cold and warm cache), as an ImageFolder tree, and through webdataset's loader")
+    bench.add_argument("--input", action="store_true", help="instead: images/s per CPU core of each way to feed a "
+                       "step from image files (decoding alone, torchvision's recipe, ours, shards, webdataset), at one "
+                       "core and all; recipe imagefolder, data.root=FOLDER or a folder of photographs made here")
+    bench.add_argument("--demand", type=float, metavar="IMAGES_PER_S", help="with --input: the images/s a GPU takes, "
+                       "for the cores-per-GPU column (default 2470: ResNet-50, 224 px, mixed precision, one A100)")
     bench.add_argument("--overhead", action="store_true", help="only the overhead row: our loop against a plain "
                        "PyTorch loop, at the launch's mixed precision (ACCELERATE_MIXED_PRECISION=bf16 ...)")
     bench.add_argument("--saves", action="store_true", help="instead: how long a checkpoint holds training, saved "
                        "in the background against a synchronous save (recipe default cifar10_resnet50)")
     bench.add_argument("--saves-into", metavar="URL", help="with --saves: save into this folder or URL (s3://...) "
                        "instead of a temporary local folder")
-    bench.add_argument("recipe", nargs="?", default="fashion_mnist_fast", help="recipe to measure (fashion_mnist_fast)")
+    bench.add_argument("recipe", nargs="?", help="recipe to measure (fashion_mnist_fast; with --saves "
+                       "cifar10_resnet50, --shards fashion_mnist_cnn, --input imagefolder)")
     bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
     runs = subcommand("runs", help="table of runs: recipe, processes, precision, steps, best and final "
                                "eval metric, wall time, samples/s")
@@ -305,8 +313,11 @@ def _run(args: argparse.Namespace) -> None:
     overrides = list(args.overrides)
     if args.command == "bench":
         recipe = args.recipe
-        if "=" in recipe:  # only overrides given: they are not a recipe name
-            recipe, overrides = "fashion_mnist_fast", [recipe, *overrides]
+        if recipe is not None and "=" in recipe:  # only overrides given: they are not a recipe name
+            recipe, overrides = None, [recipe, *overrides]
+        # each bench's own default recipe where none is named
+        recipe = recipe or ("cifar10_resnet50" if args.saves else "imagefolder" if args.input
+                            else "fashion_mnist_cnn" if args.shards else "fashion_mnist_fast")
         if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
@@ -316,14 +327,20 @@ def _run(args: argparse.Namespace) -> None:
         if args.saves:
             from accel_train.tools.bench_saves import run_saves_bench
 
-            run_saves_bench(recipe if args.recipe != "fashion_mnist_fast" else "cifar10_resnet50", overrides,
-                            args.saves_into)
+            run_saves_bench(recipe, overrides, args.saves_into)
+            return
+        if args.demand is not None and not args.input:
+            raise UserError(f"bench: --demand {args.demand:g} goes with --input (the input bench); add --input, or "
+                            "leave it out")
+        if args.input:
+            from accel_train.tools.bench_input import run_input_bench
+
+            run_input_bench(recipe, overrides, args.steps, args.demand)
             return
         if args.shards:
             from accel_train.tools.bench_shards import run_shards_bench
 
-            run_shards_bench(recipe if args.recipe != "fashion_mnist_fast" else "fashion_mnist_cnn", overrides,
-                             args.shards, args.steps)
+            run_shards_bench(recipe, overrides, args.shards, args.steps)
             return
 
         from accel_train.tools.bench import run_bench

@@ -16,3 +16,9 @@ needs_fashion_mnist = pytest.mark.skipif(
     not FASHION_MNIST.is_dir(),
     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist; make test does it)"
 )
+
+PHOTOS = (Path("/usr/share/backgrounds/mate/nature"), Path("/usr/share/backgrounds/ukui"))  # tools/photos.py's
+needs_photos = pytest.mark.skipif(
+    not any(folder.is_dir() for folder in PHOTOS),
+    reason="no photographs (apt-get install mate-backgrounds; make test does it)"
+)

@@ -1,0 +1,258 @@
+"""`accel-train bench --input [imagefolder] [data.root=FOLDER]`: images per second, per CPU core, that each way of
+feeding a training step from image files delivers, side by side on the same files, at one core and at all of them;
+and the cores a GPU needs to be fed at a stated demand.
+
+Rows: decoding alone (torchvision.io: libjpeg-turbo straight into a tensor; the limit for a pipeline that decodes
+every image); torchvision's recipe (ImageFolder, PIL, transforms v2 with Normalize on the CPU, a DataLoader: what a
+user writes); accel-train's ImageFolder path (data.name=imagefolder); its shards of the same folder (images as
+given, from a warm cache); webdataset's loader over those shards with torchvision's recipe; litdata's and NVIDIA
+DALI's CPU pipelines are named with why they have no row. Every row trains nothing: its batches go to the training
+device, as a step receives them (what counts on a GPU machine, where the step costs the host little).
+
+"One core" is one process with one thread and no DataLoader worker; "all cores" one worker a core, each worker one
+thread (the DataLoader's default), the main process one thread. Without a folder (the recipe's data.root missing),
+one is made under output_dir from the photographs of Debian's mate-backgrounds (tools/photos.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from accel_train.config import DataConfig, load_config
+from accel_train.console import say
+from accel_train.errors import UserError
+
+# ResNet-50 at 224 px with mixed precision on one A100: about 2,470 images/s (NVIDIA DeepLearningExamples' tables)
+DEMAND_IMAGES_PER_S = 2470.0
+# Timed from the first batch on (decoders loaded, every worker started): then at most a batch a worker is ready
+# ahead, so a window of 8 batches a worker overstates a rate by at most an eighth, and typically far less
+WARMUP_BATCHES = 1
+BATCHES_PER_WORKER = 8
+
+
+def run_input_bench(recipe: str, overrides: list[str], batches: int | None, demand: float | None) -> dict:
+    from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+    from accel_train.distributed.accelerator import make_accelerator
+    from accel_train.tools.photos import make_photo_folder
+
+    config = load_config(recipe, ["output_dir=runs/bench_input", "train.progress_bar=false", *overrides])
+    if config.data.name != "imagefolder":
+        raise UserError(f"bench --input reads a folder of image files: data.name={config.data.name}; use the "
+                        "imagefolder recipe (accel-train bench --input imagefolder data.root=FOLDER), or leave "
+                        "data.root out for a folder of photographs made here")
+    from accel_train.distributed.devices import cores_per_process
+
+    out = Path(config.output_dir)
+    cores = cores_per_process()
+    batch, batches = config.train.batch_size, batches or BATCHES_PER_WORKER * cores
+    root_given = any(override.startswith("data.root=") for override in overrides)
+    data = config.data
+    if not root_given and not (Path(data.root) / "train").is_dir():
+        started = time.perf_counter()
+        root = make_photo_folder(out / "photos", train=batch * (batches + WARMUP_BATCHES), test=batch)
+        say(f"bench --input: a folder of photographs at {root} ({time.perf_counter() - started:.0f} s)")
+        data = dataclasses.replace(data, root=str(root))
+    data = dataclasses.replace(data, synthetic=False, train_subset=None, eval_subset=None)
+    size = data.image_size or 224
+    mean, std = data.mean or IMAGENET_MEAN, data.std or IMAGENET_STD
+    files = sorted(str(path) for path in (Path(data.root) / "train").rglob("*") if path.is_file())
+    if len(files) < batch * (batches + WARMUP_BATCHES):
+        raise UserError(f"bench --input: {len(files)} files in {data.root}/train, fewer than the "
+                        f"{batch * (batches + WARMUP_BATCHES)} that {WARMUP_BATCHES} warm-up and {batches} timed "
+                        f"batches of train.batch_size={batch} take; lower --steps or train.batch_size")
+    accelerator = make_accelerator(config.seed)
+    device = accelerator.device
+    torch.set_num_threads(1)  # the main process: one thread; the workers have one each (the DataLoader's default)
+
+    shards_at = out / "shards"
+    from accel_train.data.shards.writer import write_shards
+
+    started = time.perf_counter()
+    shutil.rmtree(shards_at, ignore_errors=True)  # written again: a rerun's check would not see the folder change
+    write_shards(data, str(shards_at))
+    say(f"bench --input: shards of {data.root} at {shards_at} ({time.perf_counter() - started:.0f} s)")
+
+    rows = []
+    recipe_transform = torchvision_recipe(size, mean, std)
+    with tempfile.TemporaryDirectory(prefix="accel-train-bench-cache-") as cache:
+        shards = dataclasses.replace(data, name="shards", root=str(shards_at), cache_dir=cache)
+        ways = [
+            ("decoding alone (torchvision.io, no transform): the limit",
+             lambda workers: plain_loader(DecodeOnly(files), batch, workers, device, count_only=True)),
+            ("torchvision's recipe: ImageFolder, PIL, transforms v2, Normalize on the CPU",
+             lambda workers: plain_loader(torchvision_imagefolder(data.root, recipe_transform), batch, workers,
+                                          device)),
+            ("accel-train ImageFolder (data.name=imagefolder)",
+             lambda workers: our_loader(accelerator, data, batch, workers)),
+            ("accel-train shards of that folder, images as given, warm cache",
+             lambda workers: our_loader(accelerator, shards, batch, workers)),
+            ("webdataset's loader over those shards, torchvision's recipe",
+             lambda workers: webdataset_loader(shards_at, recipe_transform, batch, workers, device)),
+        ]
+        for name, loader_at in ways:
+            row = {"path": name}
+            for label, workers in (("one_core", 0), ("all_cores", cores)):
+                try:
+                    if "shards" in name and label == "one_core":
+                        images_per_s(loader_at(0), None)  # the cache filled once: the rows read it warm
+                    loader = loader_at(workers)
+                except ImportError as err:
+                    row["note"] = f"not installed here ({err.name})"
+                    break
+                row[label] = images_per_s(loader, batches)
+                del loader
+                accelerator.free_memory()
+            rows.append(row)
+            say(f"bench --input: {name}: " + (row.get("note") or f"{row['one_core']:,.0f} img/s on one core, "
+                                              f"{row['all_cores']:,.0f} on {cores}"))
+    for library, why in other_pipelines().items():
+        rows.append({"path": library, "note": why})
+    demand = demand or DEMAND_IMAGES_PER_S
+    for row in rows:
+        if "all_cores" in row:
+            row["per_core"] = row["all_cores"] / cores
+            row["cores_per_gpu"] = demand / row["per_core"]
+    result = {"recipe": recipe, "root": data.root, "files": len(files), "image_size": size, "batch_size": batch,
+              "timed_batches": batches, "cores": cores, "device": device.type, "demand_images_per_s": demand,
+              "cpu": _cpu_name(), "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_input.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = to_markdown(result)
+    (out / "bench_input.md").write_text(table)
+    print(table, flush=True)
+    return result
+
+
+def torchvision_recipe(size: int, mean, std):
+    """torchvision's reference training transforms (references/classification, PIL backend): on the PIL image,
+    then to a float tensor normalised on the CPU."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor(),
+                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
+
+
+def torchvision_imagefolder(root: str, transform):
+    import torchvision
+
+    return torchvision.datasets.ImageFolder(str(Path(root) / "train"), transform=transform)
+
+
+class DecodeOnly(torch.utils.data.Dataset):
+    """Each file read and decoded to a uint8 tensor by torchvision.io, nothing else."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int):
+        from torchvision.io import ImageReadMode, decode_image, read_file
+
+        return decode_image(read_file(self.files[index]), mode=ImageReadMode.RGB)
+
+
+def _count(samples) -> tuple[torch.Tensor, None]:
+    """collate_fn of decoding alone: the images differ in size, and only their number is needed."""
+    return torch.zeros(len(samples)), None
+
+
+def plain_loader(dataset, batch: int, workers: int, device: torch.device, count_only: bool = False):
+    """A DataLoader as a user writes it: shuffled, pinned for a GPU; each batch then copied to `device`."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True,
+                                         num_workers=workers, pin_memory=device.type == "cuda",
+                                         collate_fn=_count if count_only else None)
+    return (_to(images, device) for images, _ in loader)
+
+
+def _to(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return images.to(device, non_blocking=True)
+
+
+def our_loader(accelerator, cfg: DataConfig, batch: int, workers: int):
+    from accel_train.data import build_dataset, make_loader, start_epoch
+
+    cfg = dataclasses.replace(cfg, num_workers=workers)
+    loader = accelerator.prepare(make_loader(build_dataset(cfg, train=True), cfg, batch, True, accelerator.device))
+    start_epoch(loader, 0, 0)
+    return (images for images, _ in loader)
+
+
+def webdataset_loader(shards: Path, transform, batch: int, workers: int, device: torch.device):
+    """webdataset's pipeline over the shards' tar files on local disk: a shuffle buffer of a shard's samples,
+    PIL decoding and torchvision's recipe, batched in the workers."""
+    import webdataset as wds
+
+    tars = sorted(str(path) for path in (shards / "train").glob("*.tar"))
+    pipeline = (wds.WebDataset(tars, shardshuffle=len(tars), empty_check=False).shuffle(batch * 4).decode("pil")
+                .to_tuple("jpg;jpeg;png;webp", "cls").map_tuple(lambda image: transform(image.convert("RGB")), int)
+                .batched(batch, partial=False))
+    loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda")
+    return (_to(images, device) for images, _ in loader)
+
+
+def images_per_s(batches, count: int | None) -> float:
+    """Images a second over `count` batches after the warm-up ones (all that come when `count` is None); each batch
+    waited for on the device, as a step would use it."""
+    seen, started = 0, None
+    for number, images in enumerate(batches):
+        if number == WARMUP_BATCHES:
+            _sync(images)
+            started, seen = time.perf_counter(), 0
+        seen += len(images)
+        if count is not None and number + 1 >= WARMUP_BATCHES + count:
+            break
+    if started is None or count is not None and number + 1 < WARMUP_BATCHES + count:
+        raise UserError(f"bench --input: the loader gave fewer than the {WARMUP_BATCHES} + {count} batches to time; "
+                        "add images or lower train.batch_size or --steps")
+    _sync(images)
+    return seen / (time.perf_counter() - started)
+
+
+def _sync(images: torch.Tensor) -> None:
+    if images.device.type == "cuda":
+        torch.cuda.synchronize(images.device)
+
+
+def other_pipelines() -> dict[str, str]:
+    """The loaders named by the issue that have no row here, and why."""
+    said = {}
+    if importlib.util.find_spec("litdata") is None:
+        said["litdata's loader"] = "not installed here (pip install litdata); no row"
+    else:
+        said["litdata's loader"] = "installed, but bench --input has no row for it yet"
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
+        said["NVIDIA DALI's CPU pipeline"] = "not installed here (nvidia-dali-cuda wheels; no CPU-only build); no row"
+    else:
+        said["NVIDIA DALI's CPU pipeline"] = "installed, but bench --input has no row for it yet"
+    return said
+
+
+def _cpu_name() -> str:
+    from accel_train.tools.bench import machine_info
+
+    return str(machine_info().get("cpu", "?"))
+
+
+def to_markdown(result: dict) -> str:
+    cores, demand = result["cores"], result["demand_images_per_s"]
+    lines = [f"# accel-train bench --input: {result['files']} files of {result['root']}, {result['image_size']} px, "
+             f"batches of {result['batch_size']} ({result['cpu']}, {cores} cores, to {result['device']})", "",
+             f"| path | img/s, one core | img/s, {cores} cores | img/s per core | cores per GPU at "
+             f"{demand:,.0f} img/s |", "|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if "all_cores" not in row:
+            lines.append(f"| {row['path']} | {row['note']} | | | |")
+            continue
+        lines.append(f"| {row['path']} | {row['one_core']:,.0f} | {row['all_cores']:,.0f} | {row['per_core']:,.0f} "
+                     f"| {row['cores_per_gpu']:.1f} |")
+    return "\n".join(lines) + "\n"

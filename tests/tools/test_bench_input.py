@@ -1,0 +1,64 @@
+"""Contracts of `accel-train bench --input` and of the folder of photographs it (and tests) make offline: every way
+of feeding a step from image files measured on the same files, at one core and at all, with the cores a GPU needs.
+
+The numbers are not judged: timings belong to the bench, not to tests."""
+
+import hashlib
+import json
+
+import pytest
+from PIL import Image
+
+from support.commands import run_cli
+from support.locations import needs_photos
+
+
+def digest(root) -> dict[str, str]:
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(root.rglob("*.jpg"))}
+
+
+@needs_photos
+def test_a_folder_of_photographs_is_imagenet_shaped_the_same_for_the_same_seed_and_has_every_class_in_both_splits(
+        tmp_path):
+    from accel_train.tools.photos import make_photo_folder
+
+    first = make_photo_folder(tmp_path / "a", train=30, test=10, seed=3)
+    again = make_photo_folder(tmp_path / "b", train=30, test=10, seed=3)
+    other = make_photo_folder(tmp_path / "c", train=30, test=10, seed=4)
+    assert digest(first) == digest(again) and digest(first) != digest(other)
+    train, test = (sorted(path.name for path in (first / split).iterdir()) for split in ("train", "test"))
+    assert train == test and len(train) == 10  # as many classes as the test split holds an image of each
+    sizes = [Image.open(path).size for path in first.rglob("*.jpg")]
+    assert len(sizes) == 40 and all(400 <= width <= 600 and 0.6 * width - 1 <= height <= width + 1
+                                    for width, height in sizes), sizes
+    assert all(Image.open(path).format == "JPEG" for path in first.rglob("*.jpg"))
+
+
+@needs_photos
+def test_bench_input_measures_every_way_on_the_same_files_at_one_core_and_at_all(tmp_path):
+    result = run_cli("bench", "--input", "--steps", "2", "--demand", "1000", "train.batch_size=4",
+                     f"output_dir={tmp_path}", timeout=600)
+    bench = json.loads((tmp_path / "bench_input.json").read_text())
+    measured = [row for row in bench["rows"] if "all_cores" in row]
+    assert [row["path"].split(" ")[0] for row in measured] == ["decoding", "torchvision's", "accel-train",
+                                                              "accel-train", "webdataset's"]
+    assert all(row["one_core"] > 0 and row["all_cores"] > 0 for row in measured), measured
+    for row in measured:  # images per core at all cores, and the cores that feed the stated demand
+        assert row["per_core"] == pytest.approx(row["all_cores"] / bench["cores"])
+        assert row["cores_per_gpu"] == pytest.approx(1000 / row["per_core"])
+    named = {row["path"]: row["note"] for row in bench["rows"] if "all_cores" not in row}
+    assert set(named) == {"litdata's loader", "NVIDIA DALI's CPU pipeline"} and all(named.values())
+    assert bench["files"] == 4 * 3 and bench["root"] == str(tmp_path / "photos")  # made here: none was given
+    markdown = (tmp_path / "bench_input.md").read_text()
+    assert markdown in result.stdout and "cores per GPU at 1,000 img/s" in markdown
+
+
+def test_demand_without_input_is_refused_in_one_line(capsys):
+    from accel_train import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--demand", "2000"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == ("accel-train: error: bench: --demand 2000 goes with --input (the input "
+                                               "bench); add --input, or leave it out")
