@@ -1,5 +1,6 @@
-"""The user's own images in folders: data.root/train/<class>/*.jpg, data.root/test/ (or val/) the same way, read
-and transformed per sample (torchvision's ImageFolder and transforms v2)."""
+"""The user's own images in folders: data.root/train/<class>/*.jpg, data.root/test/ (or val/) the same way, decoded
+straight into uint8 tensors (decode.py) and transformed per sample as uint8 (torchvision's ImageFolder and transforms
+v2); the batches are scaled and normalised on the device (decode.ImagesToModelInput)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.utils.data import Subset
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
+from accel_train.data.decode import ImagesToModelInput, read_image
 from accel_train.data.registry import DATASETS, SYNTHETIC_EVAL_SIZE, SYNTHETIC_TRAIN_SIZE, Data, given_normalization
 from accel_train.errors import DataNotFoundError, UnreadableFileError
 
@@ -26,7 +28,8 @@ def imagefolder(cfg: DataConfig, train: bool) -> Data:
     if cfg.synthetic:
         count = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
         dataset = torchvision.datasets.FakeData(count, image_size=(3, size, size), num_classes=10, transform=transform)
-        return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)])
+        return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)],
+                    finish=imagefolder_finish(cfg))
     root = Path(cfg.root)
     _imagefolder_split(root, not train)  # report a missing train or test folder before reading either
     return imagefolder_data(cfg, _imagefolder_split(root, train), transform,
@@ -36,18 +39,19 @@ def imagefolder(cfg: DataConfig, train: bool) -> Data:
 def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None) -> Data:
     size = cfg.image_size or 224
     try:
-        dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=load_image)
+        dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=read_image)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
     classes = list(dataset.classes)
     if limit is not None:
         dataset = Subset(dataset, range(min(limit, len(dataset))))
-    return Data(dataset, len(classes), (3, size, size), classes)
+    return Data(dataset, len(classes), (3, size, size), classes, finish=imagefolder_finish(cfg))
 
 
 def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | None = None) -> v2.Compose:
-    """ImageFolder's transforms; normalised by data.mean / data.std if given, else `normalization` (what shards of
-    such a tree recorded), else ImageNet's."""
+    """ImageFolder's transforms, from a uint8 tensor (or a PIL image) to uint8 (3, size, size): scaled and normalised
+    on the device by imagefolder_finish. Random erasing (data.random_erasing) erases normalised pixels, as timm does:
+    where it is on, the training samples are normalised here, on the host, with the same operations."""
     size = cfg.image_size or 224
     if train:
         transform = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if cfg.augment \
@@ -55,11 +59,24 @@ def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | N
         transform += [v2.TrivialAugmentWide()] if cfg.trivial_augment else []  # on uint8, as it expects
     else:
         transform = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
-    normalize = [v2.Normalize(*(given_normalization(cfg, 3) or normalization or (IMAGENET_MEAN, IMAGENET_STD)))] \
-        if cfg.normalize else []
-    erase = [v2.RandomErasing(cfg.random_erasing)] if train and cfg.random_erasing else []  # after normalising: timm's
-    return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, v2.ToDtype(torch.float32, scale=True), *normalize,
-                       *erase])
+    on_host = []
+    if train and cfg.random_erasing:  # after normalising, as timm erases
+        on_host = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(*imagefolder_normalization(cfg, normalization)),
+                   v2.RandomErasing(cfg.random_erasing)]
+    return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, *on_host])
+
+
+def imagefolder_normalization(cfg: DataConfig, normalization: tuple | None = None) -> tuple[tuple, tuple]:
+    """data.mean / data.std if given, else `normalization` (what shards of such a tree recorded), else ImageNet's;
+    none (0 and 1) with data.normalize=false."""
+    if not cfg.normalize:
+        return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    return given_normalization(cfg, 3) or normalization or (IMAGENET_MEAN, IMAGENET_STD)
+
+
+def imagefolder_finish(cfg: DataConfig, normalization: tuple | None = None) -> ImagesToModelInput:
+    """How ImageFolder's uint8 batches become the model's input on the device."""
+    return ImagesToModelInput(*imagefolder_normalization(cfg, normalization))
 
 
 def load_image(path: str, reader: str = "imagefolder") -> Image.Image:

@@ -10,7 +10,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
-from accel_train.data.imagefolder import imagefolder_transform
+from accel_train.data.imagefolder import imagefolder_finish, imagefolder_transform
 from accel_train.data.in_memory import to_model_input
 from accel_train.data.torchvision_sets import SOURCES, normalization
 from accel_train.errors import UserError
@@ -20,9 +20,10 @@ from accel_train.import_paths import import_object, is_import_path
 def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tensor], tuple[int, ...] | None]:
     """How evaluation turns one image into the model's input (channels, size, normalisation), and that input's
     shape where it is known without an image: what accel-train predict applies to each file."""
-    if cfg.name == "imagefolder":
+    if cfg.name == "imagefolder":  # the evaluation transform, then the device's scaling and normalisation, per image
         size = cfg.image_size or 224
-        return imagefolder_transform(cfg, train=False), (3, size, size)
+        transform, finish = imagefolder_transform(cfg, train=False), imagefolder_finish(cfg)
+        return (lambda image: finish.images(transform(image))), (3, size, size)
     if is_import_path(cfg.name):
         return user_image_transform(cfg), None
     if cfg.name == "shards":

@@ -24,6 +24,9 @@ class Data:
     image_shape: tuple[int, ...]  # the shape of one input sample as the model sees it: (C, H, W) for images
     classes: list[str] | None = None  # class names in index order
     example: Any = None  # a user's dataset's first sample, for the task to check; None for the registry's
+    # what turns a loaded batch into the model's input on the training device (uint8 images into normalised floats:
+    # decode.ImagesToModelInput); None where batches come ready
+    finish: Any = None
 
     @property
     def in_memory(self) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from accel_train.config import Config
 from accel_train.data import build_dataset, hold_out_validation, make_loader
+from accel_train.data.decode import model_input
 from accel_train.distributed.accelerator import finish_command, make_accelerator, round_up_to_world
 from accel_train.distributed.devices import set_numerics
 from accel_train.errors import UserError
@@ -21,24 +22,27 @@ from accel_train.workloads.tasks import Task, task_named
 
 @torch.no_grad()
 def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None,
-             adaptive: AdaptiveEval | None = None, on_batch: Callable[[], None] = lambda: None) -> dict:
+             adaptive: AdaptiveEval | None = None, on_batch: Callable[[], None] = lambda: None, finish=None) -> dict:
     """Metrics over exactly the eval set: gather_for_metrics per batch drops the padding of the last batch.
     With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*. `adaptive`
     (micro_batch_size=auto): a batch that runs out of memory on any process is evaluated again in smaller chunks.
-    `on_batch`: called as each batch arrives (the loop's watchdog: progress)."""
+    `on_batch`: called as each batch arrives (the loop's watchdog: progress). `finish`: the data's, which makes a
+    loaded batch into the model's input on the device (data.decode)."""
     model.eval()
     metric = task.new_metric()
     for batch in loader:
         on_batch()
         # the EMA's module is not prepared, so not autocast by Accelerate
         with accelerator.autocast(), out_of_memory_stops(accelerator, "evaluation"):
+            batch = model_input(finish, batch)
             outputs = adaptive.eval_step(task, model, batch) if adaptive else eval_outputs(task, model, batch)
             metric.add_batch(**accelerator.gather_for_metrics(outputs))  # after the processes agreed (adaptive)
     metrics = metric.compute()
     if ema is None:
         return metrics
     raw = {f"raw_{name}": value for name, value in metrics.items() if name != "num_samples"}
-    return {**evaluate(accelerator, ema.model, task, loader, adaptive=adaptive, on_batch=on_batch), **raw}
+    return {**evaluate(accelerator, ema.model, task, loader, adaptive=adaptive, on_batch=on_batch, finish=finish),
+            **raw}
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = None,
@@ -68,7 +72,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
     eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
                               False, accelerator.device)
     model, eval_loader = accelerator.prepare(model, eval_loader)
-    metrics = evaluate(accelerator, model, task, eval_loader)
+    metrics = evaluate(accelerator, model, task, eval_loader, finish=eval_data.finish)
     finish_command(accelerator)
     return {**metrics, "num_processes": accelerator.num_processes}
 

@@ -103,7 +103,7 @@ def validate(run: Run) -> bool:
     run.guard.check(run.progress)  # nothing is evaluated past a non-finite step
     with run.meter.paused():
         run.progress.last_eval = evaluate(run.accelerator, run.model, run.task, run.selecting_loader, run.ema,
-                                          run.adaptive_eval, run.watchdog.mark_evaluation)
+                                          run.adaptive_eval, run.watchdog.mark_evaluation, run.selecting_finish)
     run.observers.on_eval(run.state, run.progress.last_eval, run.selecting_split)
     with run.watchdog.paused():  # it may export model_best.safetensors
         stop_early = run.selection.update(run.progress.last_eval, run.ema.model if run.ema else run.model)
@@ -125,7 +125,7 @@ def finish(run: Run) -> dict:
     if run.test_loader is not None:
         with run.meter.paused():
             final = evaluate(run.accelerator, run.model, run.task, run.test_loader, run.ema, run.adaptive_eval,
-                             run.watchdog.mark_evaluation)
+                             run.watchdog.mark_evaluation, run.test_finish)
         run.observers.on_eval(run.state, final, "test")
     with run.watchdog.paused():
         folder = local_dir(run.config.output_dir)  # for a URL, staged: the store gets it before the run ends

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -67,6 +68,8 @@ class Run:
     selecting_loader: torch.utils.data.DataLoader  # the validation split's, or the test set's without one
     selecting_split: str  # "val" or "test"
     test_loader: torch.utils.data.DataLoader | None  # evaluated once at the end, beside a validation split
+    selecting_finish: Any  # each loader's data's finish: its batches made into the model's input on the device
+    test_finish: Any
     adaptive_eval: AdaptiveEval | None  # micro_batch_size=auto: an eval batch that runs out is redone in halves
     guard: NonFiniteGuard
     meter: TrainMeter
@@ -178,12 +181,13 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
                           "validation split")
     watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(local_dir(config.output_dir)), signals)
     batches = TrainingBatches(accelerator, train_loader, task, config.seed, accumulation, progress, start,
-                              meter.timed, watchdog.mark)
+                              meter.timed, watchdog.mark, train_data.finish)
     step = AdaptiveStep(accelerator, task, micro_batch_size, observers, state) if adapts \
         else PlainStep(accelerator, task, config.train, progress)
     return Run(config=config, task=task, accelerator=accelerator, model=model, optimizer=optimizer,
                scheduler=scheduler, batches=batches, step=step, selecting_loader=val_loader or test_loader,
                selecting_split=selecting_split, test_loader=test_loader if val_loader is not None else None,
+               selecting_finish=(val_data or test_data).finish, test_finish=test_data.finish,
                adaptive_eval=AdaptiveEval(accelerator, config.train.collective_timeout_s) if adapts else None,
                guard=NonFiniteGuard(config.train, accelerator), meter=meter, ema=ema,
                selection=selection, checkpoints=checkpoints, progress=progress, start=start, state=state,

@@ -16,6 +16,7 @@ from accelerate import Accelerator
 
 from accel_train import hooks
 from accel_train.data import start_epoch
+from accel_train.data.decode import model_input
 from accel_train.state import Progress, ResumePoint
 from accel_train.training.memory import out_of_memory_stops
 
@@ -56,10 +57,11 @@ class TrainingBatches:
     """The training loader walked step by step; `steps(epoch)` gives the epoch's optimizer steps left."""
 
     def __init__(self, accelerator: Accelerator, loader, task, seed: int, accumulation: int, progress: Progress,
-                 start: ResumePoint, timed, mark) -> None:
+                 start: ResumePoint, timed, mark, finish=None) -> None:
         self.accelerator, self.loader, self.task, self.seed = accelerator, loader, task, seed
         self.accumulation, self.progress, self.start = accumulation, progress, start
         self.timed, self.mark = timed, mark  # the meter's clock of data waits; the watchdog's mark of progress
+        self.finish = finish  # the data's: uint8 batches made into the model's input on the device
 
     def steps(self, epoch: int):
         """The epoch's optimizer steps not yet taken, up to the run's last, each an iterator over its micro-batches.
@@ -83,6 +85,7 @@ class TrainingBatches:
     def _as_received(self, number: int, batch):
         """A micro-batch as the model receives it: `number` is its place in the epoch, which mixing is keyed by."""
         self.mark()  # progress: no stuck report while micro-batches come (train.stuck_after_s)
+        batch = model_input(self.finish, batch)  # before mixing: MixUp mixes the normalised images
         hooks.every().micro_batch_loaded(self.progress, batch)
         return self.task.mix_batch(batch, self.progress.epoch, number)
 

@@ -225,20 +225,20 @@ KEYED_DATA = {
     "imagefolder_tree_augmented": ["data.name=imagefolder", "data.synthetic=false", "data.augment=true",
                                    "data.image_size=16"],
 }
-# (processes, DataLoader workers) of the launched runs: a user dataset at 2 processes with and without workers; an
-# ImageFolder (the same KeyedSamples around it) with workers only, as launches cost most of these tests' time
-LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 2)]}
+# (processes, DataLoader workers) of the launched runs: at 2 processes with and without workers, for a user dataset
+# and for an ImageFolder of JPEGs (decoded straight into tensors, cropped and flipped as uint8, normalised on the device)
+LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 0), (2, 2)]}
 
 
 def _imagefolder_tree(root) -> str:
-    """24 noise images, one a class: an ImageFolder's label is then the image's index."""
+    """24 noise JPEGs, one a class: an ImageFolder's label is then the image's index."""
     generator = torch.Generator().manual_seed(0)
     for split in ("train", "test"):
         for index in range(24):
             folder = root / split / f"c{index:02d}"
             folder.mkdir(parents=True)
             pixels = torch.randint(0, 256, (20, 20, 3), dtype=torch.uint8, generator=generator)
-            Image.fromarray(pixels.numpy()).save(folder / "image.png")
+            Image.fromarray(pixels.numpy()).save(folder / "image.jpg", quality=90)
     return str(root)
 
 

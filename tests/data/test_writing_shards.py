@@ -284,9 +284,10 @@ def test_shards_of_an_imagefolder_tree_with_val_beside_test_give_the_run_its_val
     _, validation = hold_out_validation(cfg, 0, build_dataset(cfg, train=True), None)
 
     assert (len(validation.dataset), validation.classes, validation.image_shape) == (3, ["cat", "dog"], (3, 8, 8))
-    shades = [round(float(image[0, 4, 4]) * IMAGENET_STD[0] * 255 + IMAGENET_MEAN[0] * 255)
-              for image, _ in (validation.dataset[index] for index in range(3))]
-    assert shades == [200, 201, 200], "not the val split's images"
+    images = [validation.dataset[index][0] for index in range(3)]  # uint8: normalised on the device, by its finish
+    assert [int(image[0, 4, 4]) for image in images] == [200, 201, 200], "not the val split's images"
+    normalised = validation.finish.images(images[0])
+    assert float(normalised[0, 4, 4]) == pytest.approx((200 / 255 - IMAGENET_MEAN[0]) / IMAGENET_STD[0])
 
 
 @needs_fashion_mnist

@@ -15,7 +15,8 @@ from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.console import say
-from accel_train.data.imagefolder import imagefolder_transform
+from accel_train.data.decode import decode_image_bytes
+from accel_train.data.imagefolder import imagefolder_finish, imagefolder_transform
 from accel_train.data.in_memory import per_sample_transform
 from accel_train.data.registry import DATASETS, Data, given_normalization
 from accel_train.data.shards.cache import BlockCache, default_cache_dir
@@ -81,7 +82,11 @@ class ShardSamples(Dataset):
     def __getitem__(self, sample: int):
         members = self.members(sample)
         found = next((extension for extension in IMAGE_EXTENSIONS if extension in members), None)
-        if found is not None:
+        if found is not None and self.index.transforms == "imagefolder":  # straight into a tensor, as ImageFolder
+            shard, position = self.locate(sample)
+            inputs = decode_image_bytes(members[found], f"{self.cache.store.url(self.split)}/"
+                                        f"{self.index.shards[shard].name} (sample {position}, .{found})", "shards")
+        elif found is not None:
             image = Image.open(io.BytesIO(members[found]))
             inputs = image.convert(self.image_mode) if self.image_mode else image
         elif "npy" in members:
@@ -108,13 +113,22 @@ def block_cache(cfg: DataConfig, store: Store) -> BlockCache:
                       int(cfg.cache_gb * 1e9))
 
 
+def recorded_normalization(index: SplitIndex) -> tuple[tuple, tuple] | None:
+    return (tuple(index.mean), tuple(index.std)) if index.mean is not None else None
+
+
+def finish_of(cfg: DataConfig, index: SplitIndex):
+    """How the split's batches become the model's input on the device: ImageFolder's uint8 batches are normalised
+    there; the other transforms give the model's input already (None)."""
+    return imagefolder_finish(cfg, recorded_normalization(index)) if index.transforms == "imagefolder" else None
+
+
 def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
     """How a decoded sample becomes the model's input: as the data the shards were written from transforms it."""
     if index.transforms == "as_written":
         return lambda inputs: inputs if torch.is_tensor(inputs) else v2.functional.to_dtype(
             v2.functional.pil_to_tensor(inputs), torch.float32, scale=True)
-    channels = index.channels
-    recorded = (tuple(index.mean), tuple(index.std)) if index.mean is not None else None
+    channels, recorded = index.channels, recorded_normalization(index)
     if index.transforms == "imagefolder":
         return imagefolder_transform(cfg, train, recorded)
     if not cfg.normalize:
@@ -156,7 +170,7 @@ def shards(cfg: DataConfig, train: bool) -> Data:
     dataset = _split_samples(cfg, store, split, index, train)
     first = dataset[0] if index.transforms == "as_written" else None
     shape = tuple(first[0].shape) if first is not None else input_shape(cfg, index)
-    return Data(dataset, cfg.num_classes or index.num_classes, shape, index.classes, first)
+    return Data(dataset, cfg.num_classes or index.num_classes, shape, index.classes, first, finish_of(cfg, index))
 
 
 def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
@@ -207,7 +221,7 @@ def validation_split(cfg: DataConfig) -> Data | None:
     if index is None:
         return None
     return Data(_split_samples(cfg, store, "val", index, train=False), cfg.num_classes or index.num_classes,
-                input_shape(cfg, index), index.classes)
+                input_shape(cfg, index), index.classes, finish=finish_of(cfg, index))
 
 
 def image_converter(cfg: DataConfig):
@@ -216,11 +230,13 @@ def image_converter(cfg: DataConfig):
     transform, mode = transform_of(cfg, index, False), image_mode(index)
     side = index.image_size if index.transforms == "in_memory" else None
 
+    finish = finish_of(cfg, index)
+
     def convert(image: Image.Image) -> torch.Tensor:
         image = image.convert(mode) if mode else image
         if side and image.size != (side, side):  # the shards' own resolution first, as their images have it
             image = image.resize((side, side), Image.Resampling.BILINEAR)
-        return transform(image)
+        return finish.images(transform(image)) if finish else transform(image)
     shape = input_shape(cfg, index)
     return convert, shape or None
 

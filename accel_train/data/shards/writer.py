@@ -40,7 +40,7 @@ from accel_train.data.shards.format import (
     tar_of,
 )
 from accel_train.data.torchvision_sets import SOURCES
-from accel_train.errors import UserError
+from accel_train.errors import UnreadableFileError, UserError
 from accel_train.storage import Store, check_location
 
 SHARD_MB = 256  # webdataset's advice: shards of 100 MB to 1 GB
@@ -56,6 +56,7 @@ class SourceSplit:
     count: int
     members: Callable[[int], dict[str, bytes]]  # sample i -> {extension: bytes}, its label as "cls" or "target.npy"
     record: dict  # SplitIndex fields: classes, num_classes, channels, image_size, mean, std, transforms, source
+    name: Callable[[int], str] = lambda index: f"sample {index}"  # sample i as a damaged one's line names it
 
 
 def _png(image: Image.Image) -> bytes:
@@ -104,7 +105,7 @@ def _imagefolder(cfg: DataConfig, dataset, split: str) -> SourceSplit:
     return SourceSplit(split, len(files), members, dict(classes=list(dataset.classes),
                                                         num_classes=len(dataset.classes), channels=3, image_size=None,
                                                         mean=list(mean), std=list(std), transforms="imagefolder",
-                                                        source="imagefolder"))
+                                                        source="imagefolder"), lambda index: files[index][0])
 
 
 def _is_image_tensor(inputs) -> bool:
@@ -248,7 +249,11 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
             members = source.members(index)
             if source.record["transforms"] != "as_written":
                 image = next(data for extension, data in members.items() if extension in IMAGE_EXTENSIONS)
-                sizes.add(Image.open(io.BytesIO(image)).size)
+                try:
+                    sizes.add(Image.open(io.BytesIO(image)).size)
+                except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+                    raise UnreadableFileError(f"shard: cannot read {source.name(index)} ({source.split} split) as an "
+                                              f"image ({err}); delete or replace that file") from None
             pending.append((f"{index:09d}", members))
             pending_bytes += _tar_size(members)
             if pending_bytes >= shard_bytes:

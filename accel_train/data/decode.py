@@ -1,0 +1,126 @@
+"""Image files decoded straight into uint8 tensors, and uint8 batches made into the model's input on the device.
+
+JPEG, PNG, WebP and GIF go through TorchCodec's image decoders where it is installed (accel-train[images]; it needs
+torch >= 2.11), else through torchvision.io's, which torchvision 0.29 deprecates for TorchCodec's: both libjpeg-turbo
+and libpng into a tensor, without PIL's image object and its copy. Other formats, and both missing, go through PIL.
+The pixels are the same either way (libjpeg-turbo at its default settings). A damaged file is one line naming it.
+Samples stay uint8 through their transforms, the collation and the copy to the device (a quarter of the bytes of
+float32); `ImagesToModelInput` scales and normalises whole batches there.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+
+import torch
+
+from accel_train.errors import UnreadableFileError
+
+# The first bytes of the formats decoded into tensors: JPEG, PNG, GIF, and WebP (RIFF....WEBP)
+_DECODED_TO_TENSORS = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
+_DECODER_ERROR = re.compile(r"^\w+, \S+:\d+, ")  # "decode_jpeg, .../decode_jpeg.cpp:171, " before the message
+
+
+def read_image(path: str, reader: str = "imagefolder") -> torch.Tensor:
+    """The image file at `path` as uint8 (3, H, W) RGB; one line naming it where it cannot be read (from a DataLoader
+    worker too). The line starts with `reader`, what the user asked to read it (a dataset, or predict)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as err:
+        raise _unreadable(path, reader, err.strerror or str(err)) from None
+    return decode_image_bytes(data, path, reader)
+
+
+def decode_image_bytes(data: bytes, name: str, reader: str = "imagefolder") -> torch.Tensor:
+    """Encoded image bytes as uint8 (3, H, W) RGB; `name` says where they came from in the line of a damaged one."""
+    decode = _tensor_decoder()
+    if decode is None or not (data.startswith(_DECODED_TO_TENSORS) or data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+        return _decoded_by_pil(data, name, reader)
+    try:
+        image = decode(data)
+    except RuntimeError as err:
+        raise _unreadable(name, reader, _DECODER_ERROR.sub("", str(err).splitlines()[0])) from None
+    if image.ndim == 4:  # an animated GIF or WebP: its first frame, as PIL's convert("RGB") gives it
+        image = image[0]
+    if image.dtype != torch.uint8:  # a 16-bit PNG
+        from torchvision.transforms.v2 import functional
+
+        image = functional.to_dtype(image, torch.uint8, scale=True)
+    return image
+
+
+@functools.cache
+def _tensor_decoder():
+    """bytes -> uint8 (C, H, W) RGB: TorchCodec's decode_image, else torchvision.io's, else None (PIL decodes)."""
+    try:
+        from torchcodec.decoders import decode_image
+
+        return functools.partial(decode_image, mode="RGB")
+    except Exception:  # not installed, or built for another torch: its library does not load
+        pass
+    try:
+        from torchvision.io import ImageReadMode, decode_image
+    except ImportError:  # a torchvision that has removed them
+        return None
+    # torchvision 0.29 warns at every call; TorchCodec's decoders replace them where installed (accel-train[images])
+    warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision are "
+                            "deprecated", category=DeprecationWarning)
+    return lambda data: decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+def _decoded_by_pil(data: bytes, name: str, reader: str) -> torch.Tensor:
+    """BMP, TIFF, PPM and the rest: PIL's decoder, then its pixels as a tensor (torchvision.io reads none of them)."""
+    import io
+
+    from PIL import Image
+    from torchvision.transforms.v2 import functional
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return functional.pil_to_tensor(image.convert("RGB"))
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise _unreadable(name, reader, str(err)) from None
+
+
+def _unreadable(name: str, reader: str, why: str) -> UnreadableFileError:
+    what = {"imagefolder": "delete or replace that file", "shards": "replace that image in the source and write "
+            "the shards again"}.get(reader, "give image files only")
+    return UnreadableFileError(f"{reader}: cannot read {name} as an image ({why}); {what}")
+
+
+class ImagesToModelInput:
+    """uint8 image batches -> the float batch the model sees, scaled and normalised where the batch is: on the
+    training device, after Accelerate's copy. The same operations in the same order as torchvision's
+    ToDtype(float32, scale=True) + Normalize on the host, so the same inputs bit for bit; written out rather than
+    called because Normalize copies its mean and std to the device at every call. Float images (made on the host,
+    where random erasing runs) pass as they are."""
+
+    def __init__(self, mean, std) -> None:
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, batch):
+        """A batch as the loader gives it: (images, labels, ...) with the images made into the model's input."""
+        images, *rest = batch
+        made = self.images(images)
+        if made is images:
+            return batch
+        return [made, *rest] if isinstance(batch, list) else (made, *rest)
+
+    def images(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images, (C, H, W) or (N, C, H, W), as normalised float32."""
+        if images.dtype != torch.uint8:
+            return images
+        if images.device not in self.on_device:  # copied once a device, not at every batch
+            self.on_device[images.device] = (self.mean.to(images.device), self.std.to(images.device))
+        mean, std = self.on_device[images.device]
+        return images.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
+
+
+def model_input(finish: ImagesToModelInput | None, batch):
+    """A loaded batch as the model takes it: through the data's `finish` where it has one."""
+    return finish(batch) if finish is not None else batch
