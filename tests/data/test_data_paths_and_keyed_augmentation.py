@@ -226,7 +226,7 @@ KEYED_DATA = {
                                    "data.image_size=16"],
 }
 # (processes, DataLoader workers) of the launched runs: at 2 processes with and without workers, for a user dataset
-# and for an ImageFolder of JPEGs (decoded straight into tensors, cropped and flipped as uint8, normalised on the device)
+# and for an ImageFolder of JPEGs (decoded into tensors, cropped and flipped as uint8, normalised on the device)
 LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 0), (2, 2)]}
 
 
