@@ -355,6 +355,14 @@ MUTATIONS = [
              "accel_train/training/guard.py",
              '    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm', "    return norm",
              ("tests/contracts/test_fsdp_trains_and_resumes_like_one_plain_process.py::test_two_fsdp_processes_train_like_one_plain_process",)),
+    # data/decode.py: images made into floats on the host (random erasing runs there) pass the device's finish as they
+    # are; without that check they are scaled and normalised twice
+    Mutation("ImageFolder's images normalised twice (on the host, then again on the device)",
+             "accel_train/data/decode.py", "        if images.dtype != torch.uint8:\n            return images\n", "",
+             ("tests/data/test_images_decoded_to_tensors.py",)),
+    Mutation("decoded images cropped and flipped from the worker's own random stream, not their sample's key",
+             "accel_train/data/keyed.py", "                seed_generators(key)\n", "                pass\n",
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_per_sample_transforms_draw_alike_at_1_and_2_processes_0_and_2_workers_and_after_a_resume[imagefolder_tree_augmented]",)),
 ]
 
 
