@@ -115,8 +115,10 @@ class ImagesToModelInput:
         """uint8 images, (C, H, W) or (N, C, H, W), as normalised float32."""
         if images.dtype != torch.uint8:
             return images
-        if images.device not in self.on_device:  # copied once a device, not at every batch
-            self.on_device[images.device] = (self.mean.to(images.device), self.std.to(images.device))
+        if images.device not in self.on_device:  # copied once a device, not at every batch; from pinned memory,
+            pinned = images.is_cuda                # as a pageable copy would wait for the device's queued work
+            self.on_device[images.device] = tuple((value.pin_memory() if pinned else value).to(
+                images.device, non_blocking=pinned) for value in (self.mean, self.std))
         mean, std = self.on_device[images.device]
         return images.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
 
