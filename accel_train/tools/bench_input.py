@@ -2,12 +2,13 @@
 feeding a training step from image files delivers, side by side on the same files, at one core and at all of them;
 and the cores a GPU needs to be fed at a stated demand.
 
-Rows: decoding alone (torchvision.io: libjpeg-turbo straight into a tensor; the limit for a pipeline that decodes
-every image); torchvision's recipe (ImageFolder, PIL, transforms v2 with Normalize on the CPU, a DataLoader: what a
-user writes); accel-train's ImageFolder path (data.name=imagefolder); its shards of the same folder (images as
-given, from a warm cache); webdataset's loader over those shards with torchvision's recipe; litdata's and NVIDIA
-DALI's CPU pipelines are named with why they have no row. Every row trains nothing: its batches go to the training
-device, as a step receives them (what counts on a GPU machine, where the step costs the host little).
+Rows: decoding alone (accel-train's decoder: TorchCodec's or torchvision.io's libjpeg-turbo straight into a tensor;
+the limit for a pipeline that decodes every image); torchvision's recipe (ImageFolder, PIL, transforms v2 with
+Normalize on the CPU, a DataLoader: what a user writes); accel-train's ImageFolder path (data.name=imagefolder);
+its shards of the same folder (images as given, from a warm cache); webdataset's loader over those shards with
+torchvision's recipe; litdata's and NVIDIA DALI's CPU pipelines are named with why they have no row. Every row trains
+nothing: its batches go to the training device, as a step receives them (what counts on a GPU machine, where the
+step costs the host little).
 
 "One core" is one process with one thread and no DataLoader worker; "all cores" one worker a core, each worker one
 thread (the DataLoader's default), the main process one thread. Without a folder (the recipe's data.root missing),
@@ -85,7 +86,7 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
     with tempfile.TemporaryDirectory(prefix="accel-train-bench-cache-") as cache:
         shards = dataclasses.replace(data, name="shards", root=str(shards_at), cache_dir=cache)
         ways = [
-            ("decoding alone (torchvision.io, no transform): the limit",
+            (f"decoding alone ({decoder_name()}, no transform): the limit",
              lambda workers: plain_loader(DecodeOnly(files), batch, workers, device, count_only=True)),
             ("torchvision's recipe: ImageFolder, PIL, transforms v2, Normalize on the CPU",
              lambda workers: plain_loader(torchvision_imagefolder(data.root, recipe_transform), batch, workers,
@@ -147,7 +148,7 @@ def torchvision_imagefolder(root: str, transform):
 
 
 class DecodeOnly(torch.utils.data.Dataset):
-    """Each file read and decoded to a uint8 tensor by torchvision.io, nothing else."""
+    """Each file read and decoded to a uint8 tensor by accel-train's decoder (data/decode.py), nothing else."""
 
     def __init__(self, files: list[str]) -> None:
         self.files = files
@@ -156,9 +157,18 @@ class DecodeOnly(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int):
-        from torchvision.io import ImageReadMode, decode_image, read_file
+        from accel_train.data.decode import read_image
 
-        return decode_image(read_file(self.files[index]), mode=ImageReadMode.RGB)
+        return read_image(self.files[index])
+
+
+def decoder_name() -> str:
+    """Which decoder accel-train's image files go through here."""
+    from accel_train.data.decode import _tensor_decoder
+
+    decode = _tensor_decoder()
+    module = getattr(getattr(decode, "func", decode), "__module__", "")
+    return "PIL" if decode is None else "TorchCodec" if module.startswith("torchcodec") else "torchvision.io"
 
 
 def _count(samples) -> tuple[torch.Tensor, None]:
