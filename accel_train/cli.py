@@ -321,6 +321,9 @@ def _run(args: argparse.Namespace) -> None:
         if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
             raise UserError("bench: --steps and --processes must be 1 or more")
         load_config(recipe, overrides)  # config mistakes answer before torch loads
+        if args.demand is not None and not args.input:
+            raise UserError(f"bench: --demand {args.demand:g} goes with --input (the input bench); add --input, or "
+                            "leave it out")
         if args.saves_into and not args.saves:
             raise UserError(f"bench: --saves-into {args.saves_into} goes with --saves (the save benchmark); add "
                             "--saves, or leave it out")
@@ -329,9 +332,6 @@ def _run(args: argparse.Namespace) -> None:
 
             run_saves_bench(recipe, overrides, args.saves_into)
             return
-        if args.demand is not None and not args.input:
-            raise UserError(f"bench: --demand {args.demand:g} goes with --input (the input bench); add --input, or "
-                            "leave it out")
         if args.input:
             from accel_train.tools.bench_input import run_input_bench
 
