@@ -55,8 +55,11 @@ def test_config_mistakes_exit_2_with_one_line_naming_the_key(override, names, tm
 def test_settings_that_cannot_hold_together_exit_2_with_one_line_naming_them(overrides, names, tmp_path, capsys):
     from accel_train import cli
 
+    # a run of seconds, were the settings accepted (the refusal broken): the test then fails at once
+    tiny = ["data.synthetic=true", "data.train_subset=32", "data.eval_subset=16", "train.batch_size=16",
+            "train.max_steps=1", "train.plot=false"]
     with pytest.raises(SystemExit) as exit:
-        cli.main(["train", "fashion_mnist_cnn", *overrides, f"output_dir={tmp_path}"])
+        cli.main(["train", "fashion_mnist_cnn", *tiny, *overrides, f"output_dir={tmp_path}"])
     error_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert exit.value.code == 2 and len(error_lines) == 1, error_lines
     assert all(name in error_lines[0] for name in names), error_lines[0]
