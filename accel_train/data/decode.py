@@ -20,6 +20,9 @@ from accel_train.errors import UnreadableFileError
 
 # The first bytes of the formats decoded into tensors: JPEG, PNG, GIF, and WebP (RIFF....WEBP)
 _DECODED_TO_TENSORS = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
+# What to do about an unreadable image, by what read it: a dataset's file, the shard writer's, a shard's sample
+_WHAT_TO_DO = {"imagefolder": "delete or replace that file", "shard": "delete or replace that file",
+               "shards": "replace that image in the source and write the shards again"}
 _DECODER_ERROR = re.compile(r"^\w+, \S+:\d+, ")  # "decode_jpeg, .../decode_jpeg.cpp:171, " before the message
 
 
@@ -30,7 +33,7 @@ def read_image(path: str, reader: str = "imagefolder") -> torch.Tensor:
         with open(path, "rb") as file:
             data = file.read()
     except OSError as err:
-        raise _unreadable(path, reader, err.strerror or str(err)) from None
+        raise unreadable_image(path, reader, err.strerror or str(err)) from None
     return decode_image_bytes(data, path, reader)
 
 
@@ -42,7 +45,7 @@ def decode_image_bytes(data: bytes, name: str, reader: str = "imagefolder") -> t
     try:
         image = decode(data)
     except RuntimeError as err:
-        raise _unreadable(name, reader, _DECODER_ERROR.sub("", str(err).splitlines()[0])) from None
+        raise unreadable_image(name, reader, _DECODER_ERROR.sub("", str(err).splitlines()[0])) from None
     if image.ndim == 4:  # an animated GIF or WebP: its first frame, as PIL's convert("RGB") gives it
         image = image[0]
     if image.dtype != torch.uint8:  # a 16-bit PNG
@@ -82,13 +85,23 @@ def _decoded_by_pil(data: bytes, name: str, reader: str) -> torch.Tensor:
         with Image.open(io.BytesIO(data)) as image:
             return functional.pil_to_tensor(image.convert("RGB"))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise _unreadable(name, reader, str(err)) from None
+        raise unreadable_image(name, reader, str(err)) from None
 
 
-def _unreadable(name: str, reader: str, why: str) -> UnreadableFileError:
-    what = {"imagefolder": "delete or replace that file", "shards": "replace that image in the source and write "
-            "the shards again"}.get(reader, "give image files only")
+def unreadable_image(name: str, reader: str, why: str) -> UnreadableFileError:
+    """The one line for an image that cannot be read, starting with `reader` (what the user asked to read it) and
+    ending with what to do about it there."""
+    what = _WHAT_TO_DO.get(reader, "give image files only")  # predict's inputs, a user's own files
     return UnreadableFileError(f"{reader}: cannot read {name} as an image ({why}); {what}")
+
+
+def decoder_name() -> str:
+    """Which decoder image files go through here: TorchCodec, torchvision.io or PIL."""
+    decode = _tensor_decoder()
+    if decode is None:
+        return "PIL"
+    module = getattr(getattr(decode, "func", decode), "__module__", "")
+    return "TorchCodec" if module.startswith("torchcodec") else "torchvision.io"
 
 
 class ImagesToModelInput:

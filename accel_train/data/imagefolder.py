@@ -13,9 +13,9 @@ from torch.utils.data import Subset
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
-from accel_train.data.decode import ImagesToModelInput, read_image
+from accel_train.data.decode import ImagesToModelInput, read_image, unreadable_image
 from accel_train.data.registry import DATASETS, SYNTHETIC_EVAL_SIZE, SYNTHETIC_TRAIN_SIZE, Data, given_normalization
-from accel_train.errors import DataNotFoundError, UnreadableFileError
+from accel_train.errors import DataNotFoundError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -85,8 +85,7 @@ def load_image(path: str, reader: str = "imagefolder") -> Image.Image:
     try:
         return torchvision.datasets.folder.default_loader(path)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        what = "delete or replace that file" if reader == "imagefolder" else "give image files only"
-        raise UnreadableFileError(f"{reader}: cannot read {path} as an image ({err}); {what}") from None
+        raise unreadable_image(path, reader, str(err)) from None
 
 
 def _imagefolder_split(root: Path, train: bool) -> Path:

@@ -40,7 +40,8 @@ BATCHES_PER_WORKER = 8
 
 
 def run_input_bench(recipe: str, overrides: list[str], batches: int | None, demand: float | None) -> dict:
-    from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+    from accel_train.data.decode import decoder_name
+    from accel_train.data.imagefolder import imagefolder_normalization
     from accel_train.distributed.accelerator import make_accelerator
     from accel_train.tools.photos import make_photo_folder
 
@@ -63,7 +64,7 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
         data = dataclasses.replace(data, root=str(root))
     data = dataclasses.replace(data, synthetic=False, train_subset=None, eval_subset=None)
     size = data.image_size or 224
-    mean, std = data.mean or IMAGENET_MEAN, data.std or IMAGENET_STD
+    mean, std = imagefolder_normalization(data)  # as our path normalises: data.mean / data.std, else ImageNet's
     files = sorted(str(path) for path in (Path(data.root) / "train").rglob("*") if path.is_file())
     if len(files) < batch * (batches + WARMUP_BATCHES):
         raise UserError(f"bench --input: {len(files)} files in {data.root}/train, fewer than the "
@@ -85,25 +86,25 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
     recipe_transform = torchvision_recipe(size, mean, std)
     with tempfile.TemporaryDirectory(prefix="accel-train-bench-cache-") as cache:
         shards = dataclasses.replace(data, name="shards", root=str(shards_at), cache_dir=cache)
-        ways = [
+        ways = [  # (row, its loader at N workers, whether a pass fills a cache before the row is timed)
             (f"decoding alone ({decoder_name()}, no transform): the limit",
-             lambda workers: plain_loader(DecodeOnly(files), batch, workers, device, count_only=True)),
+             lambda workers: plain_loader(DecodeOnly(files), batch, workers, device, count_only=True), False),
             ("torchvision's recipe: ImageFolder, PIL, transforms v2, Normalize on the CPU",
              lambda workers: plain_loader(torchvision_imagefolder(data.root, recipe_transform), batch, workers,
-                                          device)),
+                                          device), False),
             ("accel-train ImageFolder (data.name=imagefolder)",
-             lambda workers: our_loader(accelerator, data, batch, workers)),
+             lambda workers: our_loader(accelerator, data, batch, workers), False),
             ("accel-train shards of that folder, images as given, warm cache",
-             lambda workers: our_loader(accelerator, shards, batch, workers)),
+             lambda workers: our_loader(accelerator, shards, batch, workers), True),
             ("webdataset's loader over those shards, torchvision's recipe",
-             lambda workers: webdataset_loader(shards_at, recipe_transform, batch, workers, device)),
+             lambda workers: webdataset_loader(shards_at, recipe_transform, batch, workers, device), False),
         ]
-        for name, loader_at in ways:
+        for name, loader_at, warm_first in ways:
             row = {"path": name}
             for label, workers in (("one_core", 0), ("all_cores", cores)):
                 try:
-                    if "shards" in name and label == "one_core":
-                        images_per_s(loader_at(0), None)  # the cache filled once: the rows read it warm
+                    if warm_first and label == "one_core":
+                        images_per_s(loader_at(0), None)  # the cache filled once: the row reads it warm
                     loader = loader_at(workers)
                 except ImportError as err:
                     row["note"] = f"not installed here ({err.name})"
@@ -160,15 +161,6 @@ class DecodeOnly(torch.utils.data.Dataset):
         from accel_train.data.decode import read_image
 
         return read_image(self.files[index])
-
-
-def decoder_name() -> str:
-    """Which decoder accel-train's image files go through here."""
-    from accel_train.data.decode import _tensor_decoder
-
-    decode = _tensor_decoder()
-    module = getattr(getattr(decode, "func", decode), "__module__", "")
-    return "PIL" if decode is None else "TorchCodec" if module.startswith("torchcodec") else "torchvision.io"
 
 
 def _count(samples) -> tuple[torch.Tensor, None]:

@@ -23,6 +23,7 @@ from torch.utils.data import Subset
 
 from accel_train.config import DataConfig
 from accel_train.console import say
+from accel_train.data.decode import unreadable_image
 from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, own_validation_folder
 from accel_train.data.in_memory import InMemoryImages, pil_image
 from accel_train.data.registry import given_normalization
@@ -40,7 +41,7 @@ from accel_train.data.shards.format import (
     tar_of,
 )
 from accel_train.data.torchvision_sets import SOURCES
-from accel_train.errors import UnreadableFileError, UserError
+from accel_train.errors import UserError
 from accel_train.storage import Store, check_location
 
 SHARD_MB = 256  # webdataset's advice: shards of 100 MB to 1 GB
@@ -252,8 +253,7 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
                 try:
                     sizes.add(Image.open(io.BytesIO(image)).size)
                 except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-                    raise UnreadableFileError(f"shard: cannot read {source.name(index)} ({source.split} split) as an "
-                                              f"image ({err}); delete or replace that file") from None
+                    raise unreadable_image(f"{source.name(index)} ({source.split} split)", "shard", str(err)) from None
             pending.append((f"{index:09d}", members))
             pending_bytes += _tar_size(members)
             if pending_bytes >= shard_bytes:
