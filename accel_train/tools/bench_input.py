@@ -62,6 +62,10 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
         root = make_photo_folder(out / "photos", train=batch * (batches + WARMUP_BATCHES), test=batch)
         say(f"bench --input: a folder of photographs at {root} ({time.perf_counter() - started:.0f} s)")
         data = dataclasses.replace(data, root=str(root))
+    elif root_given and not (Path(data.root) / "train").is_dir():  # ImageFolder's own line for a missing folder
+        from accel_train.data.imagefolder import _imagefolder_split
+
+        _imagefolder_split(Path(data.root), train=True)
     data = dataclasses.replace(data, synthetic=False, train_subset=None, eval_subset=None)
     size = data.image_size or 224
     mean, std = imagefolder_normalization(data)  # as our path normalises: data.mean / data.std, else ImageNet's
@@ -205,15 +209,16 @@ def webdataset_loader(shards: Path, transform, batch: int, workers: int, device:
 def images_per_s(batches, count: int | None) -> float:
     """Images a second over `count` batches after the warm-up ones (all that come when `count` is None); each batch
     waited for on the device, as a step would use it."""
-    seen, started = 0, None
+    seen, started, timed = 0, None, 0
     for number, images in enumerate(batches):
-        if number == WARMUP_BATCHES:
+        if number + 1 == WARMUP_BATCHES:  # the clock starts once the last warm-up batch is there
             _sync(images)
-            started, seen = time.perf_counter(), 0
-        seen += len(images)
-        if count is not None and number + 1 >= WARMUP_BATCHES + count:
+            started = time.perf_counter()
+            continue
+        seen, timed = seen + len(images), timed + 1
+        if count is not None and timed == count:
             break
-    if started is None or count is not None and number + 1 < WARMUP_BATCHES + count:
+    if started is None or count is not None and timed < count:
         raise UserError(f"bench --input: the loader gave fewer than the {WARMUP_BATCHES} + {count} batches to time; "
                         "add images or lower train.batch_size or --steps")
     _sync(images)

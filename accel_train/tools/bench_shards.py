@@ -107,10 +107,11 @@ def _timed(loader, batches: int | None) -> tuple[float, int]:
     """Samples per second over the loader's batches (or `batches` of them) after two warm-up batches, and how many."""
     seen, started = 0, None
     for number, (images, _) in enumerate(loader):
-        if number == 2:
-            started, seen = time.perf_counter(), 0
+        if number < 2:  # warm-up: the clock starts once the second batch is there, which is not counted
+            started = time.perf_counter()
+            continue
         seen += len(images)
-        if batches is not None and number >= batches + 2:
+        if batches is not None and number >= batches + 1:
             break
     return seen / (time.perf_counter() - started), seen
 
