@@ -76,14 +76,19 @@ and the like may differ. Prints the metrics as JSON on stdout, with num_samples 
 INPUT is an image file, a folder (searched recursively) or a quoted glob. The class names come from the
 run folder's classes.json; as with eval, settings that change what the weights mean must agree with the run's."""),
     "shard": ("write a recipe's data as shards at a folder or URL", "accel-train shard RECIPE [KEY=VALUE ...] "
-              "output=URL [shard_mb=256] [block_mb=4]\n       accel-train shard index URL [block_mb=4]", """\
+              "output=URL [images=auto] [shrink_to=PX] [shard_mb=256] [block_mb=4]\n       accel-train shard index URL "
+              "[block_mb=4]", """\
   accel-train shard fashion_mnist_cnn output=s3://bucket/fashion_mnist
   accel-train shard imagefolder data.root=photos/ output=s3://bucket/photos
+  accel-train shard imagefolder data.root=photos/ output=s3://bucket/photos_256 images=raw shrink_to=256
   accel-train train fashion_mnist_cnn data.name=shards data.root=s3://bucket/fashion_mnist
   accel-train shard index s3://bucket/my_tars             # train/*.tar and test/*.tar written by webdataset
-Each split becomes WebDataset tars (KEY.png + KEY.cls per sample) and an index.json, written last. Running the
-same command again finishes a write that was cut short, or says the shards are complete. Credentials and the
-endpoint come from the storage's own environment (AWS_PROFILE, AWS_ENDPOINT_URL, ...)."""),
+Each split becomes WebDataset tars (KEY.png, KEY.jpg or KEY.pixels.npy + KEY.cls per sample) and an index.json,
+written last. images=raw stores uint8 pixels (nothing to decode; the default for the registry's small images),
+images=jpeg re-encodes at quality 90, images=as_given keeps the files' own bytes (the default for ImageFolder);
+shrink_to=PX first resizes an image whose short side is longer (at 256, evaluation at 224 px sees the tree's
+pixels). Running the same command again finishes a write that was cut short, or says the shards are complete.
+Credentials and the endpoint come from the storage's own environment (AWS_PROFILE, AWS_ENDPOINT_URL, ...)."""),
 }
 
 
@@ -485,7 +490,7 @@ def _sweep(args: argparse.Namespace) -> None:
 COMMAND_ARGUMENTS = {
     "eval": {"checkpoint": None, "split": None},
     "predict": {"checkpoint": None, "input": "input=PATH (an image file, a folder or a glob)", "output": None},
-    "shard": {"output": None, "shard_mb": None, "block_mb": None},
+    "shard": {"output": None, "shard_mb": None, "block_mb": None, "images": None, "shrink_to": None},
 }
 
 
@@ -502,14 +507,19 @@ def _shard(recipe: str | None, overrides: list[str], given: dict[str, str]) -> N
                 sizes[name] = -1.0
             if not sizes[name] > 0:
                 raise UserError(f"shard: {name}={given[name]}: a size in MB greater than 0")
+    stored = {"images": given["images"]} if "images" in given else {}
+    if "shrink_to" in given:
+        if not given["shrink_to"].isdigit() or int(given["shrink_to"]) < 1:
+            raise UserError(f"shard: shrink_to={given['shrink_to']}: the short side in pixels, a whole number above 0")
+        stored["shrink_to"] = int(given["shrink_to"])
     if recipe == "index":
-        if len(overrides) != 1 or "output" in given or "shard_mb" in given:
+        if len(overrides) != 1 or "output" in given or "shard_mb" in given or stored:
             raise UserError("shard index takes one URL: accel-train shard index URL [block_mb=4]")
         return index_tars(overrides[0], **{key: value for key, value in sizes.items() if key == "block_mb"})
     if recipe is None or "output" not in given:
         raise UserError(f"shard needs a recipe and output=URL: {COMMANDS['shard'][1].splitlines()[0]}")
     config = load_config(recipe, overrides)
-    write_shards(config.data, given["output"], recipe=recipe, **sizes)
+    write_shards(config.data, given["output"], recipe=recipe, **sizes, **stored)
 
 
 def _arguments(overrides: list[str], names: dict, command: str) -> tuple[dict[str, str], list[str]]:

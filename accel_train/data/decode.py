@@ -88,6 +88,17 @@ def _decoded_by_pil(data: bytes, name: str, reader: str) -> torch.Tensor:
         raise unreadable_image(name, reader, str(err)) from None
 
 
+def shrunk(pixels: torch.Tensor, short_side: int | None) -> torch.Tensor:
+    """uint8 (C, H, W) pixels resized (antialiased) to a short side of `short_side` where theirs is longer: as
+    `accel-train shard ... shrink_to=` stores them, by the evaluation transform's own resize (so at shrink_to equal
+    to its size, evaluation sees the pixels of the source)."""
+    if not short_side or min(pixels.shape[-2:]) <= short_side:
+        return pixels
+    from torchvision.transforms.v2 import functional
+
+    return functional.resize(pixels, short_side, antialias=True)
+
+
 def unreadable_image(name: str, reader: str, why: str) -> UnreadableFileError:
     """The one line for an image that cannot be read, starting with `reader` (what the user asked to read it) and
     ending with what to do about it there."""
@@ -128,12 +139,16 @@ class ImagesToModelInput:
         """uint8 images, (C, H, W) or (N, C, H, W), as normalised float32."""
         if images.dtype != torch.uint8:
             return images
-        if images.device not in self.on_device:  # copied once a device, not at every batch; from pinned memory,
-            pinned = images.is_cuda                # as a pageable copy would wait for the device's queued work
-            self.on_device[images.device] = tuple((value.pin_memory() if pinned else value).to(
-                images.device, non_blocking=pinned) for value in (self.mean, self.std))
-        mean, std = self.on_device[images.device]
+        mean, std = self.normalization_on(images.device)
         return images.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
+
+    def normalization_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean and std on `device`, (C, 1, 1) each."""
+        if device not in self.on_device:  # copied once a device, not at every batch; from pinned memory,
+            pinned = device.type == "cuda"  # as a pageable copy would wait for the device's queued work
+            self.on_device[device] = tuple((value.pin_memory() if pinned else value).to(
+                device, non_blocking=pinned) for value in (self.mean, self.std))
+        return self.on_device[device]
 
 
 def model_input(finish: ImagesToModelInput | None, batch):

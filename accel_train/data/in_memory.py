@@ -15,6 +15,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import transforms as T
 
+from accel_train.data.decode import ImagesToModelInput
 from accel_train.data.keyed import sample_keys
 
 
@@ -120,6 +121,38 @@ def per_sample_transform(side: int, mean, std, augment: bool, size: int | None, 
     if random_erasing and augment:
         steps.append(T.RandomErasing(random_erasing))
     return T.Compose(steps)
+
+
+def pixels_transform(side: int, augment: bool) -> T.Compose:
+    """A PIL image or uint8 tensor of `side` px -> uint8 (C, H, W), padded-cropped and flipped when augmenting with
+    per_sample_transform's own transforms and draws; PixelsToModelInput does the rest where the batch is."""
+    steps = [T.Lambda(as_pixels)]
+    if augment:
+        steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
+    return T.Compose(steps)
+
+
+def as_pixels(image) -> torch.Tensor:
+    """A PIL image as its uint8 (C, H, W) tensor; a tensor as it is."""
+    return image if torch.is_tensor(image) else T.functional.pil_to_tensor(image)
+
+
+class PixelsToModelInput(ImagesToModelInput):
+    """uint8 batches of the registry's images -> the model's input where the batch is, by to_model_input: the same
+    operations in the same order as per_sample_transform's ToTensor, Resize and Normalize on the host, so the same
+    inputs. Float images (made on the host, where TrivialAugment and random erasing run) pass as they are."""
+
+    def __init__(self, mean, std, size: int | None) -> None:
+        super().__init__(mean, std)
+        self.size = size
+
+    def images(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            return images
+        mean, std = self.normalization_on(images.device)
+        one = images.dim() == 3  # predict's single image
+        made = to_model_input(images[None] if one else images, self.size, mean, std)
+        return made[0] if one else made
 
 
 def keep_batch(batch):

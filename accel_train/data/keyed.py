@@ -39,8 +39,10 @@ class KeyedSamples(Dataset):
     passes, the same whichever process loads the sample.
     """
 
-    def __init__(self, samples: Dataset) -> None:
+    def __init__(self, samples: Dataset, draws_at_random: bool = True) -> None:
         self.samples = samples
+        # False where the dataset says its transforms draw nothing (evaluation's, or no augmentation): no seeding
+        self.draws_at_random = draws_at_random
         # [seed, epoch] in shared memory: persistent DataLoader workers keep the copy of this object made when they
         # started, and must see every later epoch. Evaluation loaders keep epoch 0 of seed 0.
         self.seed_and_epoch = torch.zeros(2, dtype=torch.long).share_memory_()
@@ -60,6 +62,8 @@ class KeyedSamples(Dataset):
         # A batch at a time (the DataLoader's fetcher calls this), so the states are saved and put back once a batch;
         # each sample still comes from the dataset's own __getitem__ and its own key, even where the dataset could
         # fetch a whole batch (a Hugging Face datasets.Dataset).
+        if not self.draws_at_random:  # seeding costs more than reading a small image
+            return [self.samples[index] for index in indices]
         seed, epoch = self.seed_and_epoch.tolist()
         keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()
         saved = torch.get_rng_state(), random.getstate(), np.random.get_state()

@@ -12,7 +12,7 @@ from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages, PerSampleImages, keep_batch
 from accel_train.data.keyed import KeyedSamples
 from accel_train.data.registry import DATASETS, Data
-from accel_train.data.shards.dataset import shard_layout
+from accel_train.data.shards.dataset import shard_layout, under_subsets
 from accel_train.data.shards.order import ShardOrder, check_order_settings
 from accel_train.data.shards.prefetch import Prefetcher
 from accel_train.distributed.devices import cores_per_process, dataloader_workers
@@ -89,5 +89,11 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
         order = ShardOrder(shard_of, shards, 0, cfg.shuffle_window_shards, cfg.streams, step_batch)
         order.prefetcher = Prefetcher(dataset, min(int(cfg.cache_gb * 1e9) // 4, 2 * 2**30))
         order.on_batch = order.prefetcher.reached
-        return DataLoader(KeyedSamples(dataset), sampler=order, drop_last=True, **serving)
-    return DataLoader(KeyedSamples(dataset), shuffle=train, drop_last=train, **serving)
+        return DataLoader(KeyedSamples(dataset, draws_at_random(dataset)), sampler=order, drop_last=True, **serving)
+    return DataLoader(KeyedSamples(dataset, draws_at_random(dataset)), shuffle=train, drop_last=train, **serving)
+
+
+def draws_at_random(dataset) -> bool:
+    """Whether a sample's transforms may draw at random: True unless the dataset (under its Subsets) says otherwise
+    by its own `draws_at_random` (ours: shards, whose transforms we build)."""
+    return getattr(under_subsets(dataset)[0], "draws_at_random", True)

@@ -5,7 +5,8 @@ and the cores a GPU needs to be fed at a stated demand.
 Rows: decoding alone (accel-train's decoder: TorchCodec's or torchvision.io's libjpeg-turbo straight into a tensor;
 the limit for a pipeline that decodes every image); torchvision's recipe (ImageFolder, PIL, transforms v2 with
 Normalize on the CPU, a DataLoader: what a user writes); accel-train's ImageFolder path (data.name=imagefolder);
-its shards of the same folder (images as given, from a warm cache); webdataset's loader over those shards with
+its shards of the same folder (images as given; JPEG shrunk to the evaluation resize; raw pixels at that size; each
+from a warm cache); webdataset's loader over the shards of images as given with
 torchvision's recipe; litdata's and NVIDIA DALI's CPU pipelines are named with why they have no row. Every row trains
 nothing: its batches go to the training device, as a step receives them (what counts on a GPU machine, where the
 step costs the host little).
@@ -81,10 +82,13 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
     shards_at = out / "shards"
     from accel_train.data.shards.writer import write_shards
 
-    started = time.perf_counter()
-    shutil.rmtree(shards_at, ignore_errors=True)  # written again: a rerun's check would not see the folder change
-    write_shards(data, str(shards_at))
-    say(f"bench --input: shards of {data.root} at {shards_at} ({time.perf_counter() - started:.0f} s)")
+    resize = int(size * 256 / 224)  # the evaluation transform's: shrunk to it, evaluation sees the tree's pixels
+    stored = {"as_given": shards_at, "jpeg": out / f"shards_jpeg_{resize}", "raw": out / f"shards_raw_{resize}"}
+    for images, at in stored.items():
+        started = time.perf_counter()
+        shutil.rmtree(at, ignore_errors=True)  # written again: a rerun's check would not see the folder change
+        write_shards(data, str(at), images=images, shrink_to=None if images == "as_given" else resize)
+        say(f"bench --input: shards of {data.root} ({images}) at {at} ({time.perf_counter() - started:.0f} s)")
 
     rows = []
     recipe_transform = torchvision_recipe(size, mean, std)
@@ -100,6 +104,12 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
              lambda workers: our_loader(accelerator, data, batch, workers), False),
             ("accel-train shards of that folder, images as given, warm cache",
              lambda workers: our_loader(accelerator, shards, batch, workers), True),
+            (f"accel-train shards, JPEG shrunk to a short side of {resize} px (images=jpeg), warm cache",
+             lambda workers: our_loader(accelerator, dataclasses.replace(shards, root=str(stored["jpeg"])), batch,
+                                        workers), True),
+            (f"accel-train shards, raw pixels at a short side of {resize} px (images=raw), warm cache",
+             lambda workers: our_loader(accelerator, dataclasses.replace(shards, root=str(stored["raw"])), batch,
+                                        workers), True),
             ("webdataset's loader over those shards, torchvision's recipe",
              lambda workers: webdataset_loader(shards_at, recipe_transform, batch, workers, device), False),
         ]

@@ -10,7 +10,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 from PIL import Image
 
-from accel_train.config import DataConfig
+from accel_train.config import DataConfig, load_config
 from accel_train.data import Data, InMemoryImages, KeyedSamples, make_loader, sample_keys, start_epoch
 from accel_train.data.in_memory import pad_for, random_crop_flip, to_model_input
 from support.commands import launch, train_in_process
@@ -224,10 +224,14 @@ KEYED_DATA = {
     "user_dataset_by_import_path": ["data.name=user_models:drawing_points", "data.num_classes=24"],
     "imagefolder_tree_augmented": ["data.name=imagefolder", "data.synthetic=false", "data.augment=true",
                                    "data.image_size=16"],
+    "raw_pixel_shards_of_that_tree": ["data.name=shards", "data.synthetic=false", "data.augment=true",
+                                      "data.image_size=16"],
 }
-# (processes, DataLoader workers) of the launched runs: at 2 processes with and without workers, for a user dataset
-# and for an ImageFolder of JPEGs (decoded into tensors, cropped and flipped as uint8, normalised on the device)
-LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 0), (2, 2)]}
+# (processes, DataLoader workers) of the launched runs: at 2 processes with and without workers, for a user dataset,
+# for an ImageFolder of JPEGs (decoded into tensors, cropped and flipped as uint8, normalised on the device) and for
+# shards of it as raw pixels shrunk to 18 px (nothing decoded)
+LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 0), (2, 2)],
+            "raw_pixel_shards_of_that_tree": [(2, 0), (2, 2)]}
 
 
 def _imagefolder_tree(root) -> str:
@@ -260,6 +264,12 @@ def keyed_runs(request, tmp_path_factory):
     data = KEYED_DATA[request.param]
     if request.param.startswith("imagefolder"):
         data = [*data, f"data.root={_imagefolder_tree(tmp / 'images')}"]
+    elif request.param.startswith("raw_pixel_shards"):
+        from accel_train.data.shards.writer import write_shards
+
+        tree = load_config("imagefolder", [f"data.root={_imagefolder_tree(tmp / 'images')}"]).data
+        write_shards(tree, str(tmp / "shards"), shard_mb=0.005, images="raw", shrink_to=18)
+        data = [*data, f"data.root={tmp / 'shards'}", f"data.cache_dir={tmp / 'cache'}"]
     args = [*KEYED, *data]
     runs = {}
     with inputs_of_training_batches([]) as batches:

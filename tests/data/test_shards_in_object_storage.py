@@ -286,8 +286,8 @@ def test_tars_written_by_webdataset_and_indexed_by_accel_train_shard_index_train
 
 @pytest.mark.floors
 def test_webdataset_reads_the_tars_accel_train_shard_wrote_sample_for_sample(store, fashion_mnist, monkeypatch):
-    """webdataset.WebDataset over the shards in the store (opened through fsspec, as its gopen table allows): every
-    sample in order, with its PNG and label as the source has them."""
+    """webdataset.WebDataset over the shards in the store (opened through fsspec, as its gopen table allows), with
+    its own decoders: every sample in order, with its pixels (KEY.pixels.npy) and label as the source has them."""
     import importlib
 
     import fsspec
@@ -300,12 +300,12 @@ def test_webdataset_reads_the_tars_accel_train_shard_wrote_sample_for_sample(sto
     monkeypatch.setitem(importlib.import_module("webdataset.gopen").gopen_schemes, "s3", through_fsspec)
     for split, count in (("train", TRAIN), ("test", TEST)):
         names = [shard.name for shard in index_of(shared, url, split).shards]
-        read = list(webdataset.WebDataset([f"{url}/{split}/{name}" for name in names], shardshuffle=False))
+        read = list(webdataset.WebDataset([f"{url}/{split}/{name}" for name in names], shardshuffle=False).decode())
         source = fashion_mnist[1][split]
         assert [sample["__key__"] for sample in read] == [f"{index:09d}" for index in range(count)]
         assert [int(sample["cls"]) for sample in read] == source.labels[:count].tolist()
-        assert all(np.array_equal(np.asarray(Image.open(io.BytesIO(sample["png"]))), source.images[index, 0].numpy())
-                   for index, sample in enumerate(read))
+        assert all(np.array_equal(sample["pixels.npy"], source.images[index].numpy()) for index, sample in
+                   enumerate(read))
 
 
 # --- a run trained from shards of an ImageFolder tree ----------------------------------------------------------------

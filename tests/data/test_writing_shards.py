@@ -50,11 +50,13 @@ def shard_command(cfg: DataConfig, output: str, **changes) -> list[str]:
 
 
 def written(output: str, split: str, cache) -> tuple[np.ndarray, np.ndarray]:
-    """The pixels and labels of every sample of a split of the shards at `output`, decoded from its tar members."""
+    """The pixels (N, H, W) and labels of every sample of a split of the shards at `output`, read from its tar
+    members by numpy and PIL: raw pixels (KEY.pixels.npy, (1, H, W)) or a PNG."""
     store = Store(output)
     samples = ShardSamples(read_index(store, split), split, BlockCache(store, cache, 10**9), None, None)
     members = [samples.members(sample) for sample in range(len(samples))]
-    return (np.stack([np.asarray(Image.open(io.BytesIO(sample["png"]))) for sample in members]),
+    return (np.stack([np.load(io.BytesIO(sample["pixels.npy"]))[0] if "pixels.npy" in sample
+                      else np.asarray(Image.open(io.BytesIO(sample["png"]))) for sample in members]),
             np.array([int(sample["cls"]) for sample in members]))
 
 
@@ -70,13 +72,15 @@ def puts(object_store, named: str = "") -> list[str]:
 
 
 @needs_fashion_mnist
-@pytest.mark.parametrize("where", ["folder", "s3"])
+@pytest.mark.parametrize("where, images, member", [("folder", "auto", "pixels.npy"), ("s3", "auto", "pixels.npy"),
+                                                   ("folder", "as_given", "png")])
 def test_shards_written_to_a_folder_or_to_s3_hold_every_train_and_test_sample_of_the_source_pixel_for_pixel(
-        where, source, tmp_path, request):
+        where, images, member, source, tmp_path, request):
+    """The registry's images are stored as raw pixels unless images=as_given asks for PNG files."""
     cfg, splits = source
     output = request.getfixturevalue("object_store").url("fashion_mnist") if where == "s3" else str(tmp_path / "out")
 
-    write_shards(cfg, output, recipe="fashion_mnist_cnn", **SIZES)
+    write_shards(cfg, output, recipe="fashion_mnist_cnn", images=images, **SIZES)
 
     for split, count in (("train", TRAIN), ("test", TEST)):
         index = read_index(Store(output), split)
@@ -84,6 +88,9 @@ def test_shards_written_to_a_folder_or_to_s3_hold_every_train_and_test_sample_of
         assert (index.num_classes, index.classes, index.channels, index.image_size, index.transforms, index.source,
                 index.mean, index.std) == (10, splits[split].classes, 1, 28, "in_memory", "fashion_mnist",
                                            list(SOURCES["fashion_mnist"].mean), list(SOURCES["fashion_mnist"].std))
+        assert (index.images, index.shrink_to) == ("raw" if member == "pixels.npy" else "as_given", None)
+        samples = ShardSamples(index, split, BlockCache(Store(output), tmp_path / "cache", 10**9), None, None)
+        assert set(samples.members(0)) == {member, "cls"}
         pixels, labels = written(output, split, tmp_path / "cache")
         assert np.array_equal(pixels, splits[split].dataset.images[:, 0].numpy())
         assert np.array_equal(labels, splits[split].dataset.labels.numpy())

@@ -363,6 +363,23 @@ MUTATIONS = [
     Mutation("decoded images cropped and flipped from the worker's own random stream, not their sample's key",
              "accel_train/data/keyed.py", "                seed_generators(key)\n", "                pass\n",
              ("tests/data/test_data_paths_and_keyed_augmentation.py::test_per_sample_transforms_draw_alike_at_1_and_2_processes_0_and_2_workers_and_after_a_resume[imagefolder_tree_augmented]",)),
+    Mutation("augmented shards said to draw nothing (their samples cropped from the worker's stream, unkeyed)",
+             "accel_train/data/shards/dataset.py", "dataset.draws_at_random = train and",
+             "dataset.draws_at_random = False and",
+             ("tests/data/test_data_paths_and_keyed_augmentation.py::test_per_sample_transforms_draw_alike_at_1_and_2_processes_0_and_2_workers_and_after_a_resume[raw_pixel_shards_of_that_tree]",)),
+    Mutation("shrunk shards written with a resize other than the evaluation transform's (no antialiasing)",
+             "accel_train/data/decode.py", "functional.resize(pixels, short_side, antialias=True)",
+             "functional.resize(pixels, short_side, antialias=False)",
+             ("tests/data/test_shards_made_to_be_read_fast.py::test_evaluation_from_raw_pixel_shards_shrunk_to_its_resize_equals_evaluation_on_the_tree",)),
+    Mutation("predict of a run from shrunk shards not shrinking the file first",
+             "accel_train/data/shards/dataset.py", "        if index.shrink_to:  # and shrunk as they were written",
+             "        if False:",
+             ("tests/data/test_shards_made_to_be_read_fast.py::test_predict_of_a_file_shrinks_it_as_its_shard_was_shrunk",)),
+    Mutation("the registry's raw pixels normalised on the device but never resized to data.image_size",
+             "accel_train/data/in_memory.py",
+             "made = to_model_input(images[None] if one else images, self.size, mean, std)",
+             "made = to_model_input(images[None] if one else images, None, mean, std)",
+             ("tests/data/test_shards_made_to_be_read_fast.py::test_the_registrys_uint8_pixels_finished_on_the_device_are_the_float_paths_inputs",)),
 ]
 
 

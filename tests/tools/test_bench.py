@@ -42,11 +42,12 @@ def test_bench_quick_writes_json_and_markdown_with_every_section(tmp_path):
 
 
 @needs_fashion_mnist
-def test_bench_shards_reads_the_same_images_four_ways_and_counts_the_bytes_each_took_from_the_store(object_store,
-                                                                                                   tmp_path):
+def test_bench_shards_reads_the_same_images_six_ways_and_counts_the_bytes_each_took_from_the_store(object_store,
+                                                                                                  tmp_path):
     """`accel-train bench --shards s3://...`: one epoch of the same 600 Fashion-MNIST images from shards in the store
-    with a cold and a warm cache, from an ImageFolder tree and through webdataset's loader. The cold epoch takes every
-    block of the training shards from the store once, the warm one nothing, webdataset every shard whole."""
+    with a cold and a warm cache, from an ImageFolder tree, from shards of the recipe's data as PNG files and as raw
+    pixels on local disk, and through webdataset's loader. The cold epoch takes every block of the training shards
+    from the store once, the warm one nothing, webdataset every shard whole."""
     from accel_train.data.shards.dataset import read_index
     from accel_train.storage import Store
 
@@ -56,13 +57,15 @@ def test_bench_shards_reads_the_same_images_four_ways_and_counts_the_bytes_each_
                      f"output_dir={tmp_path / 'bench'}", timeout=600)
     bench = json.loads((tmp_path / "bench" / "bench_shards.json").read_text())
     rows = {row["source"]: row for row in bench["rows"]}
+    stored = "shards of the recipe's data as {} on local disk, warm cache, the recipe's transforms"
     assert list(rows) == ["shards from the store, cold cache", "shards from the store, warm cache",
-                          "ImageFolder tree on local disk", "webdataset's own loader over the same shards"]
+                          "ImageFolder tree on local disk", stored.format("PNG files (images=as_given)"),
+                          stored.format("raw pixels (images=raw)"), "webdataset's own loader over the same shards"]
     assert all(row["samples_per_s"] > 0 and row["samples"] > 0 for row in rows.values())
     index = read_index(Store(url), "train")
     assert index.samples == bench["train_samples"] == 600
     blocks = sum(shard.end - shard.offsets[0] for shard in index.shards)
-    assert [row["store_bytes"] for row in rows.values()] == [blocks, 0, 0, index.bytes]
+    assert [row["store_bytes"] for row in rows.values()] == [blocks, 0, 0, 0, 0, index.bytes]
     assert (tmp_path / "bench" / "bench_shards.md").read_text() in result.stdout
 
 

@@ -11,16 +11,25 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, Subset
+from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.console import say
-from accel_train.data.decode import decode_image_bytes
+from accel_train.data.decode import decode_image_bytes, shrunk
 from accel_train.data.imagefolder import imagefolder_finish, imagefolder_transform
-from accel_train.data.in_memory import per_sample_transform
+from accel_train.data.in_memory import PixelsToModelInput, per_sample_transform, pil_image, pixels_transform
 from accel_train.data.registry import DATASETS, Data, given_normalization
 from accel_train.data.shards.cache import BlockCache, default_cache_dir
-from accel_train.data.shards.format import IMAGE_EXTENSIONS, INDEX_FILE, SplitIndex, label_of, sample_members
+from accel_train.data.shards.format import (
+    IMAGE_EXTENSIONS,
+    INDEX_FILE,
+    RAW_PIXELS,
+    SplitIndex,
+    label_of,
+    pixels_of,
+    sample_members,
+)
 from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import DataNotFoundError
 from accel_train.storage import Store, check_location
@@ -82,7 +91,9 @@ class ShardSamples(Dataset):
     def __getitem__(self, sample: int):
         members = self.members(sample)
         found = next((extension for extension in IMAGE_EXTENSIONS if extension in members), None)
-        if found is not None and self.index.transforms == "imagefolder":  # straight into a tensor, as ImageFolder
+        if RAW_PIXELS in members:  # nothing to decode (the copy: a tensor of its own, writable)
+            inputs = torch.from_numpy(pixels_of(members[RAW_PIXELS]).copy())
+        elif found is not None and self.index.transforms == "imagefolder":  # straight into a tensor, as ImageFolder
             shard, position = self.locate(sample)
             inputs = decode_image_bytes(members[found], f"{self.cache.store.url(self.split)}/"
                                         f"{self.index.shards[shard].name} (sample {position}, .{found})", "shards")
@@ -93,7 +104,7 @@ class ShardSamples(Dataset):
             inputs = torch.from_numpy(np.load(io.BytesIO(members["npy"]), allow_pickle=False))
         else:
             raise DataNotFoundError(f"{self.cache.store.url(self.split)}: sample {sample} has no image (.png, .jpg, "
-                                    f"...) nor .npy member, only {sorted(members)}; {WRITE_HINT}")
+                                    f"..., .{RAW_PIXELS}) nor .npy member, only {sorted(members)}; {WRITE_HINT}")
         if self.transform is not None:
             inputs = self.transform(inputs)
         if "target.npy" in members:  # a target other than a class, as the dataset gave it (writer.py)
@@ -118,9 +129,20 @@ def recorded_normalization(index: SplitIndex) -> tuple[tuple, tuple] | None:
 
 
 def finish_of(cfg: DataConfig, index: SplitIndex):
-    """How the split's batches become the model's input on the device: ImageFolder's uint8 batches are normalised
-    there; the other transforms give the model's input already (None)."""
-    return imagefolder_finish(cfg, recorded_normalization(index)) if index.transforms == "imagefolder" else None
+    """How the split's uint8 batches become the model's input on the device: normalised there (and, for the
+    registry's images, resized to data.image_size); samples as written are the model's input already (None)."""
+    if index.transforms == "imagefolder":
+        return imagefolder_finish(cfg, recorded_normalization(index))
+    if index.transforms == "in_memory":
+        return PixelsToModelInput(*_in_memory_normalization(cfg, index), cfg.image_size or index.image_size)
+    return None
+
+
+def _in_memory_normalization(cfg: DataConfig, index: SplitIndex) -> tuple[tuple, tuple]:
+    channels = index.channels
+    if not cfg.normalize:
+        return (0.0,) * channels, (1.0,) * channels
+    return given_normalization(cfg, channels) or recorded_normalization(index) or ((0.5,) * channels,) * 2
 
 
 def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
@@ -128,19 +150,22 @@ def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
     if index.transforms == "as_written":
         return lambda inputs: inputs if torch.is_tensor(inputs) else v2.functional.to_dtype(
             v2.functional.pil_to_tensor(inputs), torch.float32, scale=True)
-    channels, recorded = index.channels, recorded_normalization(index)
     if index.transforms == "imagefolder":
-        return imagefolder_transform(cfg, train, recorded)
-    if not cfg.normalize:
-        mean, std = (0.0,) * channels, (1.0,) * channels
-    else:
-        mean, std = given_normalization(cfg, channels) or recorded or ((0.5,) * channels, (0.5,) * channels)
+        return imagefolder_transform(cfg, train, recorded_normalization(index))
     side = index.image_size
     if side is None:
         raise DataNotFoundError(f"data.root={cfg.root}: the {index.split} shards' images differ in size, which their "
                                 f"transforms ({index.transforms}) need alike; {WRITE_HINT}")
-    return per_sample_transform(side, mean, std, train and cfg.augment, cfg.image_size or side,
-                                cfg.trivial_augment and train, cfg.random_erasing if train else 0.0)
+    if train and (cfg.trivial_augment or cfg.random_erasing):  # on PIL images and normalised floats, on the host
+        return T.Compose([T.Lambda(as_pil_image), per_sample_transform(
+            side, *_in_memory_normalization(cfg, index), cfg.augment, cfg.image_size or side, cfg.trivial_augment,
+            cfg.random_erasing)])
+    return pixels_transform(side, train and cfg.augment)  # uint8 to the device: finish_of normalises there
+
+
+def as_pil_image(image) -> Image.Image:
+    """Raw pixels as the PIL image a PNG of them decodes to; a PIL image as it is."""
+    return pil_image(image) if torch.is_tensor(image) else image
 
 
 def input_shape(cfg: DataConfig, index: SplitIndex) -> tuple[int, ...]:
@@ -176,6 +201,9 @@ def shards(cfg: DataConfig, train: bool) -> Data:
 def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
     """A split's samples as the model reads them: transformed, limited by data.train_subset / data.eval_subset."""
     dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
+    # the transforms transform_of builds draw only to augment: the loader seeds no sample where they do not
+    dataset.draws_at_random = train and index.transforms != "as_written" and bool(
+        cfg.augment or cfg.trivial_augment or cfg.random_erasing)
     limit = cfg.train_subset if train else cfg.eval_subset
     return dataset if limit is None else Subset(dataset, range(min(limit, len(dataset))))
 
@@ -236,6 +264,8 @@ def image_converter(cfg: DataConfig):
         image = image.convert(mode) if mode else image
         if side and image.size != (side, side):  # the shards' own resolution first, as their images have it
             image = image.resize((side, side), Image.Resampling.BILINEAR)
+        if index.shrink_to:  # and shrunk as they were written
+            image = shrunk(v2.functional.pil_to_tensor(image), index.shrink_to)
         return finish.images(transform(image)) if finish else transform(image)
     shape = input_shape(cfg, index)
     return convert, shape or None

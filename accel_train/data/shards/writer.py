@@ -23,19 +23,23 @@ from torch.utils.data import Subset
 
 from accel_train.config import DataConfig
 from accel_train.console import say
-from accel_train.data.decode import unreadable_image
+from accel_train.data.decode import decode_image_bytes, shrunk, unreadable_image
 from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, own_validation_folder
 from accel_train.data.in_memory import InMemoryImages, pil_image
 from accel_train.data.registry import given_normalization
 from accel_train.data.shards.format import (
     BLOCK_BYTES,
     IMAGE_EXTENSIONS,
+    IMAGE_STORAGE,
     INDEX_FILE,
+    RAW_PIXELS,
     SPLITS,
     Shard,
     SplitIndex,
     index_tar,
     padded,
+    pixels_of,
+    raw_pixels,
     sample_members,
     square_side,
     tar_of,
@@ -44,6 +48,7 @@ from accel_train.data.torchvision_sets import SOURCES
 from accel_train.errors import UserError
 from accel_train.storage import Store, check_location
 
+JPEG_QUALITY = 90  # images=jpeg: the usual quality of a photograph (and of the bench's folder of them)
 SHARD_MB = 256  # webdataset's advice: shards of 100 MB to 1 GB
 WRITING_FILE = "shard-writing.json"  # present while a write is under way (or was cut short)
 WRITTEN = ".written"  # per split: one entry per complete shard, until the index is written
@@ -56,7 +61,8 @@ class SourceSplit:
     split: str
     count: int
     members: Callable[[int], dict[str, bytes]]  # sample i -> {extension: bytes}, its label as "cls" or "target.npy"
-    record: dict  # SplitIndex fields: classes, num_classes, channels, image_size, mean, std, transforms, source
+    record: dict  # SplitIndex fields: classes, num_classes, channels, image_size, mean, std, transforms, source,
+    #               images, shrink_to
     name: Callable[[int], str] = lambda index: f"sample {index}"  # sample i as a damaged one's line names it
 
 
@@ -64,6 +70,32 @@ def _png(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class ImageStorage:
+    """How images are stored (`accel-train shard ... images= shrink_to=`): the source's bytes, raw uint8 pixels, or
+    JPEG; shrunk first (raw and JPEG) to a short side of `shrink_to` px where theirs is longer."""
+
+    images: str = "as_given"
+    shrink_to: int | None = None
+
+    def of_pixels(self, pixels: torch.Tensor) -> dict[str, bytes]:
+        """uint8 (C, H, W) pixels as the image member of a sample."""
+        pixels = shrunk(pixels, self.shrink_to)
+        if self.images == "raw":
+            return {RAW_PIXELS: raw_pixels(pixels)}
+        if self.images == "jpeg":
+            buffer = io.BytesIO()
+            pil_image(pixels).save(buffer, format="JPEG", quality=JPEG_QUALITY)
+            return {"jpg": buffer.getvalue()}
+        return {"png": _png(pil_image(pixels))}
+
+    def of_file(self, data: bytes, extension: str, name: str) -> dict[str, bytes]:
+        """An image file's bytes as the image member of a sample: as they are, or decoded (RGB) and stored anew."""
+        if self.images == "as_given":  # the file's own bytes: no second compression
+            return {extension if extension in IMAGE_EXTENSIONS else "png": data}
+        return self.of_pixels(decode_image_bytes(data, name, "shard"))
 
 
 def _label_members(label) -> dict[str, bytes]:
@@ -78,20 +110,21 @@ def _label_members(label) -> dict[str, bytes]:
     return {"target.npy": buffer.getvalue()}
 
 
-def _in_memory(cfg: DataConfig, data, split: str) -> SourceSplit:
+def _in_memory(cfg: DataConfig, data, split: str, storage: ImageStorage) -> SourceSplit:
     images, labels = data.dataset.images.cpu(), data.dataset.labels.cpu()
     channels, side = images.shape[1], images.shape[-1]
     source = SOURCES[cfg.name]
     mean, std = given_normalization(cfg, channels) or (source.mean, source.std)
 
     def members(index: int) -> dict[str, bytes]:
-        return {"png": _png(pil_image(images[index])), "cls": str(int(labels[index])).encode()}
+        return {**storage.of_pixels(images[index]), "cls": str(int(labels[index])).encode()}
     return SourceSplit(split, len(labels), members, dict(classes=data.classes, num_classes=data.num_classes,
                                                          channels=channels, image_size=side, mean=list(mean),
-                                                         std=list(std), transforms="in_memory", source=cfg.name))
+                                                         std=list(std), transforms="in_memory", source=cfg.name,
+                                                         **asdict(storage)))
 
 
-def _imagefolder(cfg: DataConfig, dataset, split: str) -> SourceSplit:
+def _imagefolder(cfg: DataConfig, dataset, split: str, storage: ImageStorage) -> SourceSplit:
     indices = None
     if isinstance(dataset, Subset):
         dataset, indices = dataset.dataset, list(dataset.indices)
@@ -100,13 +133,14 @@ def _imagefolder(cfg: DataConfig, dataset, split: str) -> SourceSplit:
 
     def members(index: int) -> dict[str, bytes]:
         path, label = files[index]
-        extension = path.rsplit(".", 1)[-1].lower()
-        with open(path, "rb") as file:  # the file's own bytes: no second compression
-            return {extension if extension in IMAGE_EXTENSIONS else "png": file.read(), "cls": str(label).encode()}
+        with open(path, "rb") as file:
+            image = storage.of_file(file.read(), path.rsplit(".", 1)[-1].lower(), path)
+        return {**image, "cls": str(label).encode()}
     return SourceSplit(split, len(files), members, dict(classes=list(dataset.classes),
                                                         num_classes=len(dataset.classes), channels=3, image_size=None,
                                                         mean=list(mean), std=list(std), transforms="imagefolder",
-                                                        source="imagefolder"), lambda index: files[index][0])
+                                                        source="imagefolder", **asdict(storage)),
+                       lambda index: files[index][0])
 
 
 def _is_image_tensor(inputs) -> bool:
@@ -134,7 +168,28 @@ def _as_written(cfg: DataConfig, data, split: str) -> SourceSplit:
                                                           transforms="as_written", source=cfg.name))
 
 
-def source_splits(cfg: DataConfig) -> list[SourceSplit]:
+def storage_for(cfg: DataConfig, images: str, shrink_to: int | None) -> ImageStorage:
+    """`images=` and `shrink_to=` for data.name's images: auto stores the registry's datasets (small images: MNIST,
+    CIFAR, STL-10) as raw pixels and every other source's images as given; shrinking is for ImageFolder trees."""
+    if images not in ("auto", *IMAGE_STORAGE):
+        raise UserError(f"shard: images={images}: choose one of auto, {', '.join(IMAGE_STORAGE)}")
+    registry = cfg.name in SOURCES
+    if cfg.name not in ("imagefolder", *SOURCES) and images not in ("auto", "as_given") or \
+            shrink_to is not None and cfg.name != "imagefolder":
+        given = f"images={images}" if shrink_to is None else f"shrink_to={shrink_to}"
+        raise UserError(f"shard: {given} is for " + ("ImageFolder trees (data.name=imagefolder); the registry's "
+                        "datasets are small and stored as raw pixels" if shrink_to is not None else
+                        "the registry's datasets and ImageFolder trees") + f"; data.name={cfg.name}'s samples are "
+                        "written as they come")
+    if shrink_to is not None and images not in ("raw", "jpeg"):
+        raise UserError(f"shard: shrink_to={shrink_to} stores images anew: give images=raw (pixels, read fastest) or "
+                        f"images=jpeg (smaller), not images={images}")
+    if images == "auto":
+        images = "raw" if registry else "as_given"
+    return ImageStorage(images, shrink_to)
+
+
+def source_splits(cfg: DataConfig, storage: ImageStorage = ImageStorage()) -> list[SourceSplit]:
     """The train and test splits of data.name (and ImageFolder's own val/ beside test/)."""
     from accel_train.data import build_dataset
     from accel_train.data.imagefolder import imagefolder_data, imagefolder_transform
@@ -148,15 +203,15 @@ def source_splits(cfg: DataConfig) -> list[SourceSplit]:
     for split, train in (("train", True), ("test", False)):
         data = build_dataset(cfg, train)
         if isinstance(data.dataset, InMemoryImages):
-            splits.append(_in_memory(cfg, data, split))
+            splits.append(_in_memory(cfg, data, split, storage))
         elif cfg.name == "imagefolder":
-            splits.append(_imagefolder(cfg, data.dataset, split))
+            splits.append(_imagefolder(cfg, data.dataset, split, storage))
         else:
             splits.append(_as_written(cfg, data, split))
     own = own_validation_folder(cfg)
     if own is not None:
         validation = imagefolder_data(cfg, own, imagefolder_transform(cfg, False), cfg.eval_subset)
-        splits.append(_imagefolder(cfg, validation.dataset, "val"))
+        splits.append(_imagefolder(cfg, validation.dataset, "val", storage))
     return splits
 
 
@@ -165,21 +220,25 @@ def _tar_size(members: dict[str, bytes]) -> int:
 
 
 def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block_mb: float = BLOCK_BYTES / 2**20,
-                 recipe: str = "") -> None:
-    """Every split of data.name as shards at `output`; see the module's docstring for a rerun."""
+                 recipe: str = "", images: str = "auto", shrink_to: int | None = None) -> None:
+    """Every split of data.name as shards at `output`, its images stored as `images` says (storage_for); see the
+    module's docstring for a rerun."""
     from accel_train.data import check_data_name
 
     check_location(output, "output")
     check_data_name(cfg)
+    storage = storage_for(cfg, images, shrink_to)
     store = Store(output, "output", cfg.store_patience_s)
     settings = {"source": cfg.name, "root": cfg.root, "synthetic": cfg.synthetic, "args": cfg.args,
                 "train_subset": cfg.train_subset, "eval_subset": cfg.eval_subset, "shard_mb": shard_mb,
                 "block_mb": block_mb}
+    if storage != ImageStorage():  # only where not as given: shards written before these settings stay complete
+        settings.update(asdict(storage))
     if _already_written(store, settings):
         return
     started = time.monotonic()
     store.write(WRITING_FILE, json.dumps(settings).encode())
-    splits = source_splits(cfg)
+    splits = source_splits(cfg, storage)
     written = [_write_split(store, source, settings, int(shard_mb * 2**20), int(block_mb * 2**20))
                for source in splits]
     store.remove(WRITING_FILE)
@@ -222,7 +281,8 @@ def _already_written(store: Store, settings: dict) -> bool:
 
 
 def _differences(before: dict, now: dict) -> str:
-    return ", ".join(f"{key} {before.get(key)!r} then, {now.get(key)!r} now" for key in now
+    keys = list(now) + [key for key in before if key not in now]
+    return ", ".join(f"{key} {before.get(key)!r} then, {now.get(key)!r} now" for key in keys
                      if before.get(key) != now.get(key)) or "unreadable settings"
 
 
@@ -248,7 +308,9 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
     with tqdm(total=source.count, initial=first, desc=f"shard {source.split}", unit="samples", disable=None) as bar:
         for index in range(first, source.count):
             members = source.members(index)
-            if source.record["transforms"] != "as_written":
+            if RAW_PIXELS in members:
+                sizes.add(pixels_of(members[RAW_PIXELS]).shape[:0:-1])  # (width, height), as PIL's size
+            elif source.record["transforms"] != "as_written":
                 image = next(data for extension, data in members.items() if extension in IMAGE_EXTENSIONS)
                 try:
                     sizes.add(Image.open(io.BytesIO(image)).size)
