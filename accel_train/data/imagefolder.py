@@ -14,6 +14,7 @@ from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.data.decode import ImagesToModelInput, read_image, unreadable_image
+from accel_train.data.in_memory import augment_draws
 from accel_train.data.registry import DATASETS, SYNTHETIC_EVAL_SIZE, SYNTHETIC_TRAIN_SIZE, Data, given_normalization
 from accel_train.errors import DataNotFoundError
 
@@ -33,15 +34,21 @@ def imagefolder(cfg: DataConfig, train: bool) -> Data:
     root = Path(cfg.root)
     _imagefolder_split(root, not train)  # report a missing train or test folder before reading either
     return imagefolder_data(cfg, _imagefolder_split(root, train), transform,
-                             cfg.train_subset if train else cfg.eval_subset)
+                             cfg.train_subset if train else cfg.eval_subset, augmenting=augments(cfg, train))
 
 
-def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None) -> Data:
+def augments(cfg: DataConfig, train: bool) -> bool:
+    """Whether the transforms of a split draw at random (only to augment the training split)."""
+    return train and bool(cfg.augment or cfg.trivial_augment or cfg.random_erasing)
+
+
+def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None, augmenting: bool = False) -> Data:
     size = cfg.image_size or 224
     try:
         dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=read_image)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
+    dataset.draws_from = augment_draws(augmenting)  # the generators our transforms draw from (KeyedSamples)
     classes = list(dataset.classes)
     if limit is not None:
         dataset = Subset(dataset, range(min(limit, len(dataset))))

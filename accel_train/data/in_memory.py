@@ -90,6 +90,7 @@ class PerSampleImages(Dataset):
 
     def __init__(self, source: InMemoryImages, trivial_augment: bool = False, random_erasing: float = 0.0) -> None:
         self.images, self.labels = source.images.cpu(), source.labels.cpu()
+        self.draws_from = augment_draws(source.augment)  # trivial augment and erasing only where augmenting
         self.transform = per_sample_transform(self.images.shape[-1], source.mean.flatten().tolist(),
                                               source.std.flatten().tolist(), source.augment, source.size,
                                               trivial_augment, random_erasing)
@@ -153,6 +154,12 @@ class PixelsToModelInput(ImagesToModelInput):
         one = images.dim() == 3  # predict's single image
         made = to_model_input(images[None] if one else images, self.size, mean, std)
         return made[0] if one else made
+
+
+def augment_draws(augmenting: bool) -> frozenset[str]:
+    """The generators our transforms draw from (KeyedSamples seeds those alone): torchvision's draw from torch's
+    alone, and only to augment."""
+    return frozenset({"torch"}) if augmenting else frozenset()
 
 
 def keep_batch(batch):

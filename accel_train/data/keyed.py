@@ -10,6 +10,9 @@ import torch
 from torch.utils.data import Dataset
 
 _LOW_33_BITS = (1 << 33) - 1
+EVERY_GENERATOR = frozenset({"torch", "random", "numpy"})  # what a transform may draw from: all, unless told
+_STATES = {"torch": (torch.get_rng_state, torch.set_rng_state), "random": (random.getstate, random.setstate),
+           "numpy": (np.random.get_state, np.random.set_state)}
 MT_WORDS = 624  # the state of a Mersenne Twister (MT19937): torch's CPU generator and numpy's global one
 
 
@@ -39,10 +42,11 @@ class KeyedSamples(Dataset):
     passes, the same whichever process loads the sample.
     """
 
-    def __init__(self, samples: Dataset, draws_at_random: bool = True) -> None:
+    def __init__(self, samples: Dataset, draws_from: frozenset[str] = EVERY_GENERATOR) -> None:
         self.samples = samples
-        # False where the dataset says its transforms draw nothing (evaluation's, or no augmentation): no seeding
-        self.draws_at_random = draws_at_random
+        # The generators seeded: where the dataset says its transforms draw from fewer (ours draw from torch's
+        # alone, and nothing when they do not augment), the others cost nothing (numpy's is half the seeding time)
+        self.draws_from = frozenset(draws_from)
         # [seed, epoch] in shared memory: persistent DataLoader workers keep the copy of this object made when they
         # started, and must see every later epoch. Evaluation loaders keep epoch 0 of seed 0.
         self.seed_and_epoch = torch.zeros(2, dtype=torch.long).share_memory_()
@@ -62,33 +66,37 @@ class KeyedSamples(Dataset):
         # A batch at a time (the DataLoader's fetcher calls this), so the states are saved and put back once a batch;
         # each sample still comes from the dataset's own __getitem__ and its own key, even where the dataset could
         # fetch a whole batch (a Hugging Face datasets.Dataset).
-        if not self.draws_at_random:  # seeding costs more than reading a small image
+        if not self.draws_from:  # nothing to seed: a sample's seeding costs more than reading a small image
             return [self.samples[index] for index in indices]
         seed, epoch = self.seed_and_epoch.tolist()
         keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()
-        saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        saved = {name: _STATES[name][0]() for name in self.draws_from}
         try:
             samples = []
             for index, key in zip(indices, keys):
-                seed_generators(key)
+                seed_generators(key, self.draws_from)
                 samples.append(self.samples[index])
             return samples
         finally:
-            torch.set_rng_state(saved[0])
-            random.setstate(saved[1])
-            np.random.set_state(saved[2])
+            for name, state in saved.items():
+                _STATES[name][1](state)
 
 
-def seed_generators(key: int) -> None:
-    """torch's CPU generator, Python's `random` and numpy's global generator, each from every bit of `key`.
+def seed_generators(key: int, generators: frozenset[str] = EVERY_GENERATOR) -> None:
+    """torch's CPU generator, Python's `random` and numpy's global generator (or those of them named in
+    `generators`), each from every bit of `key`.
 
     torch's manual_seed and numpy's legacy seed keep 32 bits of a seed, so keys that share those would draw alike
     (about 190 pairs of samples an ImageNet epoch): both Mersenne Twisters' states are filled from all of `key`
     instead (splitmix64 of key and a counter, as sample_keys mixes), torch's and numpy's with different words.
     """
-    random.seed(key)
+    if "random" in generators:
+        random.seed(key)
     words = _state_words(key)
-    np.random.set_state(("MT19937", words[MT_WORDS:], MT_WORDS))
+    if "numpy" in generators:
+        np.random.set_state(("MT19937", words[MT_WORDS:], MT_WORDS))
+    if "torch" not in generators:
+        return
     if _TORCH_STATE is None:  # a torch whose generator state is laid out otherwise: its own 32-bit seeding
         torch.default_generator.manual_seed(key)
         return

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages, PerSampleImages, keep_batch
-from accel_train.data.keyed import KeyedSamples
+from accel_train.data.keyed import EVERY_GENERATOR, KeyedSamples
 from accel_train.data.registry import DATASETS, Data
 from accel_train.data.shards.dataset import shard_layout, under_subsets
 from accel_train.data.shards.order import ShardOrder, check_order_settings
@@ -89,11 +89,11 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
         order = ShardOrder(shard_of, shards, 0, cfg.shuffle_window_shards, cfg.streams, step_batch)
         order.prefetcher = Prefetcher(dataset, min(int(cfg.cache_gb * 1e9) // 4, 2 * 2**30))
         order.on_batch = order.prefetcher.reached
-        return DataLoader(KeyedSamples(dataset, draws_at_random(dataset)), sampler=order, drop_last=True, **serving)
-    return DataLoader(KeyedSamples(dataset, draws_at_random(dataset)), shuffle=train, drop_last=train, **serving)
+        return DataLoader(KeyedSamples(dataset, draws_from(dataset)), sampler=order, drop_last=True, **serving)
+    return DataLoader(KeyedSamples(dataset, draws_from(dataset)), shuffle=train, drop_last=train, **serving)
 
 
-def draws_at_random(dataset) -> bool:
-    """Whether a sample's transforms may draw at random: True unless the dataset (under its Subsets) says otherwise
-    by its own `draws_at_random` (ours: shards, whose transforms we build)."""
-    return getattr(under_subsets(dataset)[0], "draws_at_random", True)
+def draws_from(dataset) -> frozenset[str]:
+    """The random generators a sample's transforms may draw from: every one unless the dataset (under its Subsets)
+    names them by its own `draws_from` (ours, whose transforms we build: torch's, or none)."""
+    return getattr(under_subsets(dataset)[0], "draws_from", EVERY_GENERATOR)

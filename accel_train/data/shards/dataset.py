@@ -17,8 +17,14 @@ from torchvision.transforms import v2
 from accel_train.config import DataConfig
 from accel_train.console import say
 from accel_train.data.decode import decode_image_bytes, shrunk
-from accel_train.data.imagefolder import imagefolder_finish, imagefolder_transform
-from accel_train.data.in_memory import PixelsToModelInput, per_sample_transform, pil_image, pixels_transform
+from accel_train.data.imagefolder import augments, imagefolder_finish, imagefolder_transform
+from accel_train.data.in_memory import (
+    PixelsToModelInput,
+    augment_draws,
+    per_sample_transform,
+    pil_image,
+    pixels_transform,
+)
 from accel_train.data.registry import DATASETS, Data, given_normalization
 from accel_train.data.shards.cache import BlockCache, default_cache_dir
 from accel_train.data.shards.format import (
@@ -201,9 +207,7 @@ def shards(cfg: DataConfig, train: bool) -> Data:
 def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
     """A split's samples as the model reads them: transformed, limited by data.train_subset / data.eval_subset."""
     dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
-    # the transforms transform_of builds draw only to augment: the loader seeds no sample where they do not
-    dataset.draws_at_random = train and index.transforms != "as_written" and bool(
-        cfg.augment or cfg.trivial_augment or cfg.random_erasing)
+    dataset.draws_from = augment_draws(index.transforms != "as_written" and augments(cfg, train))
     limit = cfg.train_subset if train else cfg.eval_subset
     return dataset if limit is None else Subset(dataset, range(min(limit, len(dataset))))
 
