@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             command.add_argument("recipe", metavar="RECIPE", help="a shipped recipe (`accel-train recipes`), a YAML "
                                  "file, or a run's output_dir (the config.yaml it ran with)")
+        elif name == "shard":
+            command.add_argument("recipe", metavar="RECIPE", nargs="?", help="the recipe whose data to write (a "
+                                 "shipped one or a YAML file); or `index`, then the URL")
         else:
             command.add_argument("recipe", metavar="RUN", nargs="?", help="a training run's output_dir; or a recipe, "
                                  "with checkpoint=PATH")
