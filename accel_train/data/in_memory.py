@@ -124,13 +124,9 @@ def per_sample_transform(side: int, mean, std, augment: bool, size: int | None, 
     return T.Compose(steps)
 
 
-def pixels_transform(side: int, augment: bool) -> T.Compose:
-    """A PIL image or uint8 tensor of `side` px -> uint8 (C, H, W), padded-cropped and flipped when augmenting with
-    per_sample_transform's own transforms and draws; PixelsToModelInput does the rest where the batch is."""
-    steps = [T.Lambda(as_pixels)]
-    if augment:
-        steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
-    return T.Compose(steps)
+def pixels_transform() -> T.Compose:
+    """A PIL image or uint8 tensor -> uint8 (C, H, W): the registry's images as PixelsToModelInput takes them."""
+    return T.Compose([T.Lambda(as_pixels)])
 
 
 def as_pixels(image) -> torch.Tensor:
@@ -141,11 +137,20 @@ def as_pixels(image) -> torch.Tensor:
 class PixelsToModelInput(ImagesToModelInput):
     """uint8 batches of the registry's images -> the model's input where the batch is, by to_model_input: the same
     operations in the same order as per_sample_transform's ToTensor, Resize and Normalize on the host, so the same
-    inputs. Float images (made on the host, where TrivialAugment and random erasing run) pass as they are."""
+    inputs. Float images (made on the host, where TrivialAugment and random erasing run) pass as they are.
+
+    A batch (images, labels, keys) is cropped and flipped first, where it is, by random_crop_flip from its keys (as
+    the on-device path augments): the host only copies pixels."""
 
     def __init__(self, mean, std, size: int | None) -> None:
         super().__init__(mean, std)
         self.size = size
+
+    def __call__(self, batch):
+        if len(batch) == 3:  # keyed: augmented here
+            images, labels, keys = batch
+            return self.images(random_crop_flip(images, pad_for(images.shape[-1]), keys)), labels
+        return super().__call__(batch)
 
     def images(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8:

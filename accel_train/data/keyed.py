@@ -42,8 +42,11 @@ class KeyedSamples(Dataset):
     passes, the same whichever process loads the sample.
     """
 
-    def __init__(self, samples: Dataset, draws_from: frozenset[str] = EVERY_GENERATOR) -> None:
+    def __init__(self, samples: Dataset, draws_from: frozenset[str] = EVERY_GENERATOR,
+                 keys_with_samples: bool = False) -> None:
         self.samples = samples
+        # Each sample's key after its fields, for a dataset whose augmentation runs where the batch is, by its key
+        self.keys_with_samples = keys_with_samples
         # The generators seeded: where the dataset says its transforms draw from fewer (ours draw from torch's
         # alone, and nothing when they do not augment), the others cost nothing (numpy's is half the seeding time)
         self.draws_from = frozenset(draws_from)
@@ -66,6 +69,10 @@ class KeyedSamples(Dataset):
         # A batch at a time (the DataLoader's fetcher calls this), so the states are saved and put back once a batch;
         # each sample still comes from the dataset's own __getitem__ and its own key, even where the dataset could
         # fetch a whole batch (a Hugging Face datasets.Dataset).
+        if self.keys_with_samples:
+            seed, epoch = self.seed_and_epoch.tolist()
+            keys = sample_keys(torch.as_tensor(indices), epoch, seed)
+            return [(*self.samples[index], key) for index, key in zip(indices, keys)]
         if not self.draws_from:  # nothing to seed: a sample's seeding costs more than reading a small image
             return [self.samples[index] for index in indices]
         seed, epoch = self.seed_and_epoch.tolist()

@@ -89,8 +89,14 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
         order = ShardOrder(shard_of, shards, 0, cfg.shuffle_window_shards, cfg.streams, step_batch)
         order.prefetcher = Prefetcher(dataset, min(int(cfg.cache_gb * 1e9) // 4, 2 * 2**30))
         order.on_batch = order.prefetcher.reached
-        return DataLoader(KeyedSamples(dataset, draws_from(dataset)), sampler=order, drop_last=True, **serving)
-    return DataLoader(KeyedSamples(dataset, draws_from(dataset)), shuffle=train, drop_last=train, **serving)
+        return DataLoader(keyed(dataset), sampler=order, drop_last=True, **serving)
+    return DataLoader(keyed(dataset), shuffle=train, drop_last=train, **serving)
+
+
+def keyed(dataset) -> KeyedSamples:
+    """`dataset`'s samples, each drawing by its key: seeded as draws_from says, or carrying its key to a finish that
+    augments the batch on the device (`augments_on_device`: shards of the registry's raw pixels)."""
+    return KeyedSamples(dataset, draws_from(dataset), getattr(under_subsets(dataset)[0], "augments_on_device", False))
 
 
 def draws_from(dataset) -> frozenset[str]:

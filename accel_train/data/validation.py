@@ -70,4 +70,7 @@ def _as_evaluated(dataset: Dataset, cfg: DataConfig, test: Data | None) -> Datas
             return dataset
     copied = copy.copy(inner)
     copied.transform = transform
+    for name in ("draws_from", "augments_on_device"):  # what the loader learns of its augmentation: none here
+        if hasattr(copied, name):
+            setattr(copied, name, frozenset() if name == "draws_from" else False)
     return Subset(copied, dataset.indices) if isinstance(dataset, Subset) else copied

@@ -125,7 +125,7 @@ def _epoch(accelerator, cfg, batch: int, batches: int | None) -> tuple[float, in
 def _timed(loader, batches: int | None) -> tuple[float, int]:
     """Samples per second over the loader's batches (or `batches` of them) after two warm-up batches, and how many."""
     seen, started = 0, None
-    for number, (images, _) in enumerate(loader):
+    for number, (images, *_) in enumerate(loader):
         if number < 2:  # warm-up: the clock starts once the second batch is there, which is not counted
             started = time.perf_counter()
             continue

@@ -226,12 +226,13 @@ KEYED_DATA = {
                                    "data.image_size=16"],
     "raw_pixel_shards_of_that_tree": ["data.name=shards", "data.synthetic=false", "data.augment=true",
                                       "data.image_size=16"],
+    "raw_pixel_shards_of_the_registry": ["data.name=shards", "data.synthetic=false", "data.augment=true"],
 }
 # (processes, DataLoader workers) of the launched runs: at 2 processes with and without workers, for a user dataset,
 # for an ImageFolder of JPEGs (decoded into tensors, cropped and flipped as uint8, normalised on the device) and for
 # shards of it as raw pixels shrunk to 18 px (nothing decoded)
 LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 0), (2, 2)],
-            "raw_pixel_shards_of_that_tree": [(2, 0), (2, 2)]}
+            "raw_pixel_shards_of_that_tree": [(2, 0), (2, 2)], "raw_pixel_shards_of_the_registry": [(2, 0), (2, 2)]}
 
 
 def _imagefolder_tree(root) -> str:
@@ -244,6 +245,21 @@ def _imagefolder_tree(root) -> str:
             pixels = torch.randint(0, 256, (20, 20, 3), dtype=torch.uint8, generator=generator)
             Image.fromarray(pixels.numpy()).save(folder / "image.jpg", quality=90)
     return str(root)
+
+
+def _registry_shards(root) -> None:
+    """Shards as `accel-train shard` writes the registry's images (raw 28 px grey pixels, their transforms), of 24
+    noise images whose labels are their indices."""
+    from accel_train.data.shards.writer import ImageStorage, SourceSplit, _write_split
+    from accel_train.storage import Store
+
+    pixels = torch.randint(0, 256, (24, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    record = dict(classes=[f"c{index:02d}" for index in range(24)], num_classes=24, channels=1, image_size=28,
+                  mean=[0.5], std=[0.5], transforms="in_memory", source="fashion_mnist", images="raw", shrink_to=None)
+    for split in ("train", "test"):
+        samples = SourceSplit(split, 24, lambda index: {**ImageStorage("raw").of_pixels(pixels[index]),
+                                                        "cls": str(index).encode()}, record)
+        _write_split(Store(str(root)), samples, {}, 8_000, 2_000)
 
 
 def drawn(batches: list) -> dict:
@@ -267,8 +283,11 @@ def keyed_runs(request, tmp_path_factory):
     elif request.param.startswith("raw_pixel_shards"):
         from accel_train.data.shards.writer import write_shards
 
-        tree = load_config("imagefolder", [f"data.root={_imagefolder_tree(tmp / 'images')}"]).data
-        write_shards(tree, str(tmp / "shards"), shard_mb=0.005, images="raw", shrink_to=18)
+        if request.param.endswith("tree"):
+            tree = load_config("imagefolder", [f"data.root={_imagefolder_tree(tmp / 'images')}"]).data
+            write_shards(tree, str(tmp / "shards"), shard_mb=0.005, images="raw", shrink_to=18)
+        else:  # cropped and flipped on the device, from the keys the batches carry
+            _registry_shards(tmp / "shards")
         data = [*data, f"data.root={tmp / 'shards'}", f"data.cache_dir={tmp / 'cache'}"]
     args = [*KEYED, *data]
     runs = {}

@@ -27,24 +27,60 @@ SIZE, RESIZE = 32, 36  # the evaluation transform at data.image_size=32: Resize(
 
 
 def test_the_registrys_uint8_pixels_finished_on_the_device_are_the_float_paths_inputs():
-    """Raw pixels cropped and flipped as uint8 and made into the model's input by the data's finish (resized to
-    data.image_size and normalised there) give what the per-sample float path (ToTensor, crop, flip, Resize,
-    Normalize on the host) gives from the same draws, within 1e-6."""
+    """Raw pixels made into the model's input by the data's finish (resized to data.image_size and normalised where
+    the batch is) give what the per-sample float path (ToTensor, Resize, Normalize on the host) gives, within 1e-6."""
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (6, 1, 28, 28), dtype=torch.uint8, generator=generator)
     mean, std = (0.286,), (0.353,)
-    for augment, size in ((True, 28), (True, 40), (False, 40)):
-        floats, pixels = per_sample_transform(28, mean, std, augment, size), pixels_transform(28, augment)
-        expected, received = [], []
-        for index, image in enumerate(images):
-            torch.manual_seed(index)
-            expected.append(floats(pil_image(image)))
-            torch.manual_seed(index)
-            received.append(pixels(image))
+    for size in (28, 40):
+        floats = per_sample_transform(28, mean, std, False, size)
+        expected = torch.stack([floats(pil_image(image)) for image in images])
+        received = [pixels_transform()(pil_image(image)) for image in images]
         assert all(sample.dtype == torch.uint8 for sample in received)
         made = PixelsToModelInput(mean, std, size).images(torch.stack(received))
         assert made.shape == (6, 1, size, size)
-        torch.testing.assert_close(made, torch.stack(expected), rtol=0, atol=1e-6)
+        torch.testing.assert_close(made, expected, rtol=0, atol=1e-6)
+
+
+@needs_fashion_mnist
+def test_augmented_raw_pixel_shards_of_the_registry_are_cropped_on_the_device_as_the_in_memory_data_is(tmp_path):
+    """With data.augment, a worker only copies pixels: each sample's key travels with the batch, and the finish crops
+    and flips it where the batch is, as the in-memory data's on-device path does. The same inputs bit for bit, for
+    the same (seed, epoch, sample), resized to data.image_size too."""
+    from torch.utils.data import default_collate
+
+    from accel_train.data.keyed import KeyedSamples
+
+    cfg = load_config("fashion_mnist_cnn", [f"data.root={tmp_path / 'fashion_mnist'}", "data.augment=true",
+                                            "data.train_subset=64", "data.eval_subset=16",
+                                            "data.image_size=32"]).data
+    write_shards(cfg, str(tmp_path / "shards"), shard_mb=0.02)
+    in_memory = build_dataset(cfg, train=True).dataset
+    sharded = dataclasses.replace(cfg, name="shards", root=str(tmp_path / "shards"), cache_dir=str(tmp_path / "cache"),
+                                  train_subset=None, eval_subset=None)
+    shards = build_dataset(sharded, train=True)
+    assert shards.dataset.augments_on_device and not shards.dataset.draws_from  # nothing seeded on the host
+    served = KeyedSamples(shards.dataset, shards.dataset.draws_from, keys_with_samples=True)
+    indices = list(range(0, 64, 3))
+    for epoch in (0, 1):
+        served.key_epoch(epoch, seed=5)
+        in_memory.set_epoch(epoch, seed=5)
+        images, labels = shards.finish(default_collate(served.__getitems__(indices)))
+        expected, expected_labels = in_memory.__getitems__(indices)
+        assert images.shape == (len(indices), 1, 32, 32)
+        assert torch.equal(images, expected) and torch.equal(labels, expected_labels)
+
+    # samples held out for validation (data.val_fraction) are served as evaluation serves them: not augmented
+    from accel_train.data import make_loader
+    from accel_train.data.validation import hold_out_validation
+
+    sharded = dataclasses.replace(sharded, val_fraction=0.25)
+    _, validation = hold_out_validation(sharded, 0, shards, build_dataset(sharded, train=False))
+    held = validation.dataset.indices
+    batch = next(iter(make_loader(validation, sharded, 16, False, torch.device("cpu"))))
+    images, labels = validation.finish(batch)
+    plain = build_dataset(dataclasses.replace(cfg, augment=False), train=True).dataset
+    assert torch.equal(images, plain.__getitems__(held[:16])[0]) and torch.equal(labels, plain.labels[held[:16]])
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,15 @@ def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
         return T.Compose([T.Lambda(as_pil_image), per_sample_transform(
             side, *_in_memory_normalization(cfg, index), cfg.augment, cfg.image_size or side, cfg.trivial_augment,
             cfg.random_erasing)])
-    return pixels_transform(side, train and cfg.augment)  # uint8 to the device: finish_of normalises there
+    # uint8 to the device: finish_of crops and flips there (augments_on_device), and normalises
+    return pixels_transform()
+
+
+def augments_on_device(cfg: DataConfig, index: SplitIndex, train: bool) -> bool:
+    """Whether the split's crops and flips run on the device (by random_crop_flip, from each sample's key): the
+    registry's images, augmented without TrivialAugment or random erasing (those run on the host)."""
+    return train and index.transforms == "in_memory" and cfg.augment and not (cfg.trivial_augment or
+                                                                              cfg.random_erasing)
 
 
 def as_pil_image(image) -> Image.Image:
@@ -207,7 +215,9 @@ def shards(cfg: DataConfig, train: bool) -> Data:
 def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
     """A split's samples as the model reads them: transformed, limited by data.train_subset / data.eval_subset."""
     dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
-    dataset.draws_from = augment_draws(index.transforms != "as_written" and augments(cfg, train))
+    dataset.augments_on_device = augments_on_device(cfg, index, train)  # the loader adds each sample's key
+    dataset.draws_from = augment_draws(index.transforms != "as_written" and augments(cfg, train) and
+                                       not dataset.augments_on_device)
     limit = cfg.train_subset if train else cfg.eval_subset
     return dataset if limit is None else Subset(dataset, range(min(limit, len(dataset))))
 
