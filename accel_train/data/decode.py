@@ -115,16 +115,57 @@ def decoder_name() -> str:
     return "TorchCodec" if module.startswith("torchcodec") else "torchvision.io"
 
 
+class Crops:
+    """A batch of uint8 (C, H, W) images of different sizes (training's random crops of raw pixels, resized on the
+    device by ImagesToModelInput), held as one flat tensor and the images' shapes: one copy to the device, pinned as
+    one. The shapes stay on the host, where cutting the batch apart needs them (reading them from the device would
+    wait for it). Accelerate's send_to_device and the DataLoader's pinning call `to` and `pin_memory`."""
+
+    def __init__(self, pixels: torch.Tensor, shapes: torch.Tensor) -> None:
+        self.pixels, self.shapes = pixels, shapes
+
+    @classmethod
+    def collate(cls, samples: list) -> list:
+        """collate_fn: samples (image, label, ...) -> [Crops of the images, the rest as default_collate makes them]."""
+        from torch.utils.data import default_collate
+
+        images, *rest = zip(*samples)
+        shapes = torch.tensor([image.shape for image in images])
+        return [cls(torch.cat([image.reshape(-1) for image in images]), shapes), *map(default_collate, rest)]
+
+    def to(self, device, non_blocking: bool = False) -> Crops:
+        return Crops(self.pixels.to(device, non_blocking=non_blocking), self.shapes)
+
+    def pin_memory(self) -> Crops:
+        return Crops(self.pixels.pin_memory(), self.shapes)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pixels.device
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def images(self) -> list[torch.Tensor]:
+        """Each image, a view of the flat tensor."""
+        shapes = self.shapes.tolist()
+        return [flat.view(shape) for flat, shape in zip(self.pixels.split([c * h * w for c, h, w in shapes]), shapes)]
+
+
 class ImagesToModelInput:
     """uint8 image batches -> the float batch the model sees, scaled and normalised where the batch is: on the
     training device, after Accelerate's copy. The same operations in the same order as torchvision's
     ToDtype(float32, scale=True) + Normalize on the host, so the same inputs bit for bit; written out rather than
     called because Normalize copies its mean and std to the device at every call. Float images (made on the host,
-    where random erasing runs) pass as they are."""
+    where random erasing runs) pass as they are.
 
-    def __init__(self, mean, std) -> None:
+    Crops (random crops of raw pixels, cut on the host) are first resized to `size` here, each by the resize that
+    RandomResizedCrop makes on the host (antialiased, on uint8), so the host only copies pixels."""
+
+    def __init__(self, mean, std, size: int | None = None) -> None:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        self.size = size
         self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, batch):
@@ -136,7 +177,9 @@ class ImagesToModelInput:
         return [made, *rest] if isinstance(batch, list) else (made, *rest)
 
     def images(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 images, (C, H, W) or (N, C, H, W), as normalised float32."""
+        """uint8 images, (C, H, W) or (N, C, H, W), or Crops, as normalised float32."""
+        if isinstance(images, Crops):
+            images = resized_crops(images, self.size)
         if images.dtype != torch.uint8:
             return images
         mean, std = self.normalization_on(images.device)
@@ -149,6 +192,15 @@ class ImagesToModelInput:
             self.on_device[device] = tuple((value.pin_memory() if pinned else value).to(
                 device, non_blocking=pinned) for value in (self.mean, self.std))
         return self.on_device[device]
+
+
+def resized_crops(crops: Crops, size: int) -> torch.Tensor:
+    """Each crop resized to (size, size), stacked: uint8 (N, C, size, size) where the crops are. A crop at a time,
+    as torchvision resizes one image (no batched resize takes inputs of different sizes); flipping (on the host)
+    and this resize commute bit for bit."""
+    from torchvision.transforms.v2 import functional
+
+    return torch.stack([functional.resize(crop, [size, size], antialias=True) for crop in crops.images()])
 
 
 def model_input(finish: ImagesToModelInput | None, batch):

@@ -10,6 +10,7 @@ import torch
 import torchvision
 from PIL import Image
 from torch.utils.data import Subset
+from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
@@ -73,6 +74,25 @@ def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | N
     return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, *on_host])
 
 
+def crop_region_transform() -> v2.Compose:
+    """Training's RandomResizedCrop and flip for raw pixels, without the resize: uint8 crops of any size, resized on
+    the device by imagefolder_finish (Crops). The host only copies each crop's pixels."""
+    return v2.Compose([v2.PILToTensor(), v2.RGB(), RandomCropRegion()])
+
+
+class RandomCropRegion(torch.nn.Module):
+    """RandomResizedCrop(antialias=True) then RandomHorizontalFlip (their default settings, as imagefolder_transform
+    uses them), less the resize: the same draws from torch's generator in the same order, so the same crop and flip
+    from the same sample key; the region is copied, the rest of the image left behind."""
+
+    scale, ratio = [0.08, 1.0], [3 / 4, 4 / 3]
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        top, left, height, width = T.RandomResizedCrop.get_params(image, self.scale, self.ratio)
+        region = image[..., top:top + height, left:left + width]
+        return region.flip(-1) if torch.rand(1) < 0.5 else region.clone()  # RandomHorizontalFlip's own draw
+
+
 def imagefolder_normalization(cfg: DataConfig, normalization: tuple | None = None) -> tuple[tuple, tuple]:
     """data.mean / data.std if given, else `normalization` (what shards of such a tree recorded), else ImageNet's;
     none (0 and 1) with data.normalize=false."""
@@ -82,8 +102,8 @@ def imagefolder_normalization(cfg: DataConfig, normalization: tuple | None = Non
 
 
 def imagefolder_finish(cfg: DataConfig, normalization: tuple | None = None) -> ImagesToModelInput:
-    """How ImageFolder's uint8 batches become the model's input on the device."""
-    return ImagesToModelInput(*imagefolder_normalization(cfg, normalization))
+    """How ImageFolder's uint8 batches (and crops of raw pixels) become the model's input on the device."""
+    return ImagesToModelInput(*imagefolder_normalization(cfg, normalization), cfg.image_size or 224)
 
 
 def load_image(path: str, reader: str = "imagefolder") -> Image.Image:

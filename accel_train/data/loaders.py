@@ -81,7 +81,8 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
     # A worker writes its stacks when the stuck-process watchdog asks: a blocked __getitem__ is named where it is.
     stacks = partial(stacks_on_request, str(worker_stacks_folder())) if workers else None
     serving = dict(batch_size=global_batch, num_workers=workers, pin_memory=device.type == "cuda",
-                   persistent_workers=workers > 0, generator=generator, worker_init_fn=stacks)
+                   persistent_workers=workers > 0, generator=generator, worker_init_fn=stacks,
+                   collate_fn=getattr(under_subsets(dataset)[0], "collate_fn", None))  # None: the default
     layout = shard_layout(dataset)
     if train and layout is not None:  # shards: an order that reads a few shards at a time (shards/order.py)
         shard_of, shards = layout

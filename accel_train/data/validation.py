@@ -70,7 +70,8 @@ def _as_evaluated(dataset: Dataset, cfg: DataConfig, test: Data | None) -> Datas
             return dataset
     copied = copy.copy(inner)
     copied.transform = transform
-    for name in ("draws_from", "augments_on_device"):  # what the loader learns of its augmentation: none here
+    unaugmented = {"draws_from": frozenset(), "augments_on_device": False, "collate_fn": None}
+    for name, value in unaugmented.items():  # what the loader learns of its augmentation: none here
         if hasattr(copied, name):
-            setattr(copied, name, frozenset() if name == "draws_from" else False)
+            setattr(copied, name, value)
     return Subset(copied, dataset.indices) if isinstance(dataset, Subset) else copied

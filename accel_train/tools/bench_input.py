@@ -8,8 +8,10 @@ Normalize on the CPU, a DataLoader: what a user writes); accel-train's ImageFold
 its shards of the same folder (images as given; JPEG shrunk to the evaluation resize; raw pixels at that size; each
 from a warm cache); webdataset's loader over the shards of images as given with
 torchvision's recipe; litdata's and NVIDIA DALI's CPU pipelines are named with why they have no row. Every row trains
-nothing: its batches go to the training device, as a step receives them (what counts on a GPU machine, where the
-step costs the host little).
+nothing: its batches go to the training device as the float batch a step takes (torchvision's normalised on the host,
+ours by the data's finish on the device: scaled, normalised, and random crops of raw pixels resized there), which
+is what counts on a GPU machine, where the step costs the host little. On a CPU the device is the CPU: the finish
+runs in the main process.
 
 "One core" is one process with one thread and no DataLoader worker; "all cores" one worker a core, each worker one
 thread (the DataLoader's default), the main process one thread. Without a folder (the recipe's data.root missing),
@@ -195,12 +197,16 @@ def _to(images: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def our_loader(accelerator, cfg: DataConfig, batch: int, workers: int):
+    """accel-train's training loader, each batch through the data's finish on the device (scaled, normalised, and
+    crops of raw pixels resized there): the float batch a step takes."""
     from accel_train.data import build_dataset, make_loader, start_epoch
+    from accel_train.data.decode import model_input
 
     cfg = dataclasses.replace(cfg, num_workers=workers)
-    loader = accelerator.prepare(make_loader(build_dataset(cfg, train=True), cfg, batch, True, accelerator.device))
+    data = build_dataset(cfg, train=True)
+    loader = accelerator.prepare(make_loader(data, cfg, batch, True, accelerator.device))
     start_epoch(loader, 0, 0)
-    return (images for images, _ in loader)
+    return (model_input(data.finish, batch)[0] for batch in loader)
 
 
 def webdataset_loader(shards: Path, transform, batch: int, workers: int, device: torch.device):

@@ -6,6 +6,7 @@ the same shrink; a run resumed from raw shards equals an uninterrupted one; a wr
 Photographs: a folder made from Debian's mate-backgrounds (tools/photos.py), evaluated at 32 px (resize 36, crop 32).
 """
 
+import copy
 import dataclasses
 
 import pytest
@@ -15,7 +16,7 @@ from accel_train import api, cli
 from accel_train.config import DataConfig, load_config
 from accel_train.data import build_dataset
 from accel_train.data.in_memory import PixelsToModelInput, per_sample_transform, pil_image, pixels_transform
-from accel_train.data.shards.dataset import read_index
+from accel_train.data.shards.dataset import read_index, transform_of
 from accel_train.data.shards.format import pixels_of
 from accel_train.data.shards.writer import write_shards
 from accel_train.storage import Store
@@ -134,6 +135,50 @@ def test_evaluation_from_raw_pixel_shards_shrunk_to_its_resize_equals_evaluation
     from_tree = api.evaluate(str(run), overrides=["data.name=imagefolder", f"data.root={tree}"])
     assert from_tree["num_samples"] == 12 and from_tree == api.evaluate(str(run))
 
+
+
+@needs_photos
+def test_random_crops_of_raw_photographs_are_cut_on_the_host_and_resized_on_the_device_as_the_host_would(photos,
+                                                                                                    tmp_path):
+    """With data.augment, a worker copies each random crop's pixels and nothing more: the batch goes to the device as
+    crops of different sizes (one flat tensor), resized there. The same inputs, bit for bit on the CPU, as
+    RandomResizedCrop and the flip made on the host from the same sample key; held-out validation samples are
+    served as evaluation serves them."""
+    from torch.utils.data import default_collate
+
+    from accel_train.data import make_loader
+    from accel_train.data.decode import Crops
+    from accel_train.data.imagefolder import imagefolder_transform
+    from accel_train.data.keyed import KeyedSamples
+    from accel_train.data.validation import hold_out_validation
+
+    _, raw, _ = photos
+    cfg = _shards(raw, tmp_path, augment=True)
+    shards = build_dataset(cfg, train=True)
+    assert shards.dataset.collate_fn == Crops.collate and shards.dataset.draws_from == {"torch"}
+    on_host = dataclasses.replace(shards, dataset=copy.copy(shards.dataset))
+    on_host.dataset.transform = imagefolder_transform(cfg, train=True)  # RandomResizedCrop, flip: on the host
+    served, served_on_host = KeyedSamples(shards.dataset, {"torch"}), KeyedSamples(on_host.dataset, {"torch"})
+    indices = list(range(0, 24, 2))
+    for epoch in (0, 1):
+        for keyed in (served, served_on_host):
+            keyed.key_epoch(epoch, seed=7)
+        crops, labels = Crops.collate(served.__getitems__(indices))
+        sides = {tuple(shape[1:]) for shape in crops.shapes.tolist()}
+        assert len(sides) > 1 and crops.pixels.numel() == sum(c * h * w for c, h, w in crops.shapes.tolist())
+        images, labels = shards.finish([crops, labels])
+        expected, expected_labels = on_host.finish(default_collate(served_on_host.__getitems__(indices)))
+        assert images.shape == (len(indices), 3, SIZE, SIZE) and images.dtype == torch.float32
+        assert torch.equal(images, expected) and torch.equal(labels, expected_labels), epoch
+
+    sharded = dataclasses.replace(cfg, val_fraction=0.25)
+    _, validation = hold_out_validation(sharded, 0, shards, build_dataset(sharded, train=False))
+    batch = next(iter(make_loader(validation, sharded, 6, False, torch.device("cpu"))))
+    evaluated = copy.copy(shards.dataset)
+    evaluated.transform = transform_of(cfg, evaluated.index, train=False)
+    held = validation.dataset.indices[:6]
+    assert torch.is_tensor(batch[0])
+    assert torch.equal(batch[0], torch.stack([evaluated[index][0] for index in held]))
 
 
 @needs_photos

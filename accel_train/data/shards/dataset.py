@@ -16,8 +16,13 @@ from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.console import say
-from accel_train.data.decode import decode_image_bytes, shrunk
-from accel_train.data.imagefolder import augments, imagefolder_finish, imagefolder_transform
+from accel_train.data.decode import Crops, decode_image_bytes, shrunk
+from accel_train.data.imagefolder import (
+    augments,
+    crop_region_transform,
+    imagefolder_finish,
+    imagefolder_transform,
+)
 from accel_train.data.in_memory import (
     PixelsToModelInput,
     augment_draws,
@@ -156,6 +161,8 @@ def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
     if index.transforms == "as_written":
         return lambda inputs: inputs if torch.is_tensor(inputs) else v2.functional.to_dtype(
             v2.functional.pil_to_tensor(inputs), torch.float32, scale=True)
+    if crops_on_device(cfg, index, train):
+        return crop_region_transform()
     if index.transforms == "imagefolder":
         return imagefolder_transform(cfg, train, recorded_normalization(index))
     side = index.image_size
@@ -175,6 +182,13 @@ def augments_on_device(cfg: DataConfig, index: SplitIndex, train: bool) -> bool:
     registry's images, augmented without TrivialAugment or random erasing (those run on the host)."""
     return train and index.transforms == "in_memory" and cfg.augment and not (cfg.trivial_augment or
                                                                               cfg.random_erasing)
+
+
+def crops_on_device(cfg: DataConfig, index: SplitIndex, train: bool) -> bool:
+    """Whether the split's random crops of raw pixels are resized on the device (Crops): shards of an ImageFolder
+    tree stored as raw pixels, augmented without TrivialAugment or random erasing (those run on the host)."""
+    return train and index.transforms == "imagefolder" and index.images == "raw" and cfg.augment and not (
+        cfg.trivial_augment or cfg.random_erasing)
 
 
 def as_pil_image(image) -> Image.Image:
@@ -216,6 +230,7 @@ def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex,
     """A split's samples as the model reads them: transformed, limited by data.train_subset / data.eval_subset."""
     dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
     dataset.augments_on_device = augments_on_device(cfg, index, train)  # the loader adds each sample's key
+    dataset.collate_fn = Crops.collate if crops_on_device(cfg, index, train) else None  # crops differ in size
     dataset.draws_from = augment_draws(index.transforms != "as_written" and augments(cfg, train) and
                                        not dataset.augments_on_device)
     limit = cfg.train_subset if train else cfg.eval_subset
