@@ -36,7 +36,7 @@ from accel_train.run.folder import check_output_dir
 from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
 from accel_train.run.location import open_run, readable_run
 from accel_train.run.tracking import tracker_names
-from accel_train.storage import is_remote
+from accel_train.storage import check_url_form, is_remote
 from accel_train.versions import check_versions
 
 if TYPE_CHECKING:
@@ -173,6 +173,9 @@ def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
     """`eval RUN`, `eval PATH` and `eval checkpoint=PATH` (a checkpoint folder or a weights file: the run PATH belongs
     to gives the config) and `eval RECIPE checkpoint=PATH`: the recipe and the weights, or a line saying which is
     missing."""
+    if isinstance(recipe, str):
+        check_url_form(recipe, "run")
+    check_url_form(checkpoint, "checkpoint")
     if checkpoint is None:
         if recipe is None:
             raise UserError(f"{command} needs a run: accel-train {command} RUN (a training run's output_dir), or "

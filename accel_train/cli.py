@@ -15,7 +15,7 @@ accel-train train RECIPE [KEY=VALUE ...]                 train; RECIPE is a ship
                                                          output_dir (its config.yaml)
 accel-train eval RUN [KEY=VALUE ...]                     evaluate a run's exported model with the run's own config
 accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate a run folder, checkpoint or model.safetensors
-accel-train predict RUN input=PATH [output=FILE] [predict.top_k=K ...]
+accel-train predict RUN input=PATH [output=FILE|URL] [predict.top_k=K ...]
                                                          top labels of image files (file, folder or glob) as CSV
 accel-train shard RECIPE [KEY=VALUE ...] output=URL      the recipe's data as shards at a folder or URL (s3://,
                                                          gs://, ...); train from them with data.name=shards
@@ -70,7 +70,7 @@ Settings that change what the weights mean (model.*, data.name, data.image_size,
 data.std, data.num_classes, task) must agree with the run's; data.root, data.eval_subset, train.eval_batch_size
 and the like may differ. Prints the metrics as JSON on stdout, with num_samples and num_processes."""),
     "predict": ("the top labels of image files, as CSV",
-                "accel-train predict RUN input=PATH [output=FILE] [KEY=VALUE ...]", """\
+                "accel-train predict RUN input=PATH [output=FILE|URL] [KEY=VALUE ...]", """\
   accel-train predict runs/imagefolder input=photos/                         # -> predictions.csv
   accel-train predict runs/imagefolder input='photos/*.jpg' output=out.csv predict.top_k=3
 INPUT is an image file, a folder (searched recursively) or a quoted glob. The class names come from the
@@ -407,11 +407,15 @@ def _show_runs(args: argparse.Namespace) -> None:
     from accel_train.run import summaries as runs
     from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
     from accel_train.run.location import readable_runs
-    from accel_train.storage import is_remote
+    from accel_train.storage import check_url_form, is_remote
     from accel_train.sweep import results as sweep_results
 
     if args.command == "plot":
         given, folders = _arguments(args.runs, {"output": None}, "plot")
+        if "output" in given:
+            check_url_form(given["output"], "output")
+            if is_remote(given["output"]):
+                raise UserError(f"output={given['output']}: plot draws a local PNG; give output=FILE (a local path)")
         if len(folders) == 1 and sweep_results.is_sweep(Path(folders[0])):  # into the sweep folder, as its summary
             found = sweep_results.rows(Path(folders[0]))
             if not found:
@@ -466,7 +470,7 @@ def plot_output(folders: list[str], found: list) -> Path:
 
 def _sweep(args: argparse.Namespace) -> None:
     from accel_train.run.location import open_folder
-    from accel_train.storage import PATIENCE_S, is_remote
+    from accel_train.storage import PATIENCE_S, check_url_form, is_remote
     from accel_train.sweep.runner import LOCK_FILE, Sweep, run_sweep
     from accel_train.sweep.space import parse_space
 
@@ -477,6 +481,7 @@ def _sweep(args: argparse.Namespace) -> None:
         raise UserError("sweep: resume is the sweep's to set (each trial runs with resume=auto); leave it out")
     parameters, fixed = parse_space(overrides)
     folder = given.get("output_dir") or str(Path("sweeps") / Path(args.recipe.rstrip("/")).stem)
+    check_url_form(folder, "output_dir")
     # A sweep folder at a URL: mirrored whole (its study, logs and trial runs) from this machine's staging
     mirror = open_folder(folder, PATIENCE_S, ignore=(LOCK_FILE,)) if is_remote(folder) else None
     try:

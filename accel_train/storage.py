@@ -8,6 +8,7 @@ from a config; the storage libraries are extras (`pip install 'accel-train[s3]'`
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -56,8 +57,49 @@ def protocol_of(url: str) -> str:
     return url.split("://", 1)[0] if is_remote(url) else "file"
 
 
+# scheme:/..., scheme:..., scheme://, scheme:///...: a scheme of two letters or more (C:/ is a drive)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(/*)(.*)$", re.DOTALL)
+
+
+def check_url_form(location: str | os.PathLike | None, key: str) -> None:
+    """A location that looks like a mistyped URL is refused in one line, before anything is made: as a path,
+    `s3:/bucket/x` or `s3://` would become a local folder named `s3:`. A scheme that no storage library knows, with
+    one slash or none (`exp:1`), stays a local name."""
+    if location is None:
+        return
+    text = str(location)
+    match = _SCHEME.match(text)
+    if not match:
+        return
+    scheme, slashes, rest = match.groups()
+    if scheme.lower() == "file":
+        if len(slashes) < 2:
+            raise UserError(f"{key}={text}: a local path goes without file: ({key}={text[5:] or '.'})")
+        return
+    if slashes == "//" and rest:
+        return  # a URL: its protocol and bucket are checked where it is opened
+    if slashes == "//" or slashes == "///" and not rest.strip("/"):
+        raise UserError(f"{key}={text}: the URL names no bucket or container; write {scheme}://BUCKET/FOLDER")
+    if slashes == "///":
+        raise UserError(f"{key}={text}: a URL has two slashes after its scheme, not three; write "
+                        f"{scheme}://{rest}")
+    if not _known_protocol(scheme.lower()):
+        return
+    raise UserError(f"{key}={text}: not a URL (a URL has two slashes after its scheme), and not taken for a local "
+                    f"folder named {scheme}:; write {scheme}://{rest.lstrip('/')}, or ./{text} for such a local folder")
+
+
+def _known_protocol(scheme: str) -> bool:
+    """A protocol some fsspec library serves (installed or not)."""
+    from fsspec.registry import known_implementations
+
+    return scheme in EXTRAS or scheme in known_implementations
+
+
 def check_location(location: str, key: str) -> None:
-    """Before anything is read: a URL with a library for its protocol, and no credentials inside it."""
+    """Before anything is read or made: no mistyped URL; a URL with a library for its protocol, and no credentials
+    inside it."""
+    check_url_form(location, key)
     if not is_remote(location):
         return
     from urllib.parse import urlsplit

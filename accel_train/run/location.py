@@ -227,9 +227,9 @@ def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
     """A run folder to read: a local path as it is; a URL copied (those of its files that exist) into the read
     cache, refreshed at each call. A checkpoint's URL (RUN/checkpoints/step-N) is copied with its run's files, into
     the same place under the run's copy."""
+    check_location(location, "run")
     if not is_remote(location):
         return Path(location)
-    check_location(location, "run")
     run_url, _, checkpoint = location.rstrip("/").partition(f"/{CHECKPOINTS_DIR}/")
     store, copy = Store(run_url, "run"), _read_cache(run_url)
     _copy_run(store, "", copy, files, set(store.names()))
@@ -244,9 +244,9 @@ def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
 def readable_runs(location: str) -> Path:
     """A folder holding runs, or one run: a local path as it is; at a URL, every run under it (a folder with
     config.yaml and metrics.jsonl) copied into the read cache in the same tree, without its weights."""
+    check_location(location, "runs")
     if not is_remote(location):
         return Path(location)
-    check_location(location, "runs")
     store, copy = Store(location, "runs"), _read_cache(location)
     present = set(store.files())
     for config in sorted(name for name in present if name.rsplit("/", 1)[-1] == CONFIG_FILE):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from accel_train.distributed.accelerator import finish_command, make_accelerator
 from accel_train.distributed.devices import set_numerics
 from accel_train.errors import DataNotFoundError, writing
 from accel_train.run.weights import class_names, load_weights, read_weights, weights_file
+from accel_train.storage import Store, check_location, is_remote
 from accel_train.workloads.tasks import Task, task_named
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -65,7 +67,10 @@ class ImageFiles(Dataset):
 
 def predict(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
             model: torch.nn.Module | None = None) -> list[dict]:
-    """Rows {"path", "labels", "scores"} for every input file, sorted by path; written as CSV to `output`."""
+    """Rows {"path", "labels", "scores"} for every input file, sorted by path; written as CSV to `output` (a local
+    file or a URL)."""
+    if output:
+        check_location(str(output), "output")  # before any work: a mistyped URL, a store's missing library
     task = task if task is not None else task_named(config.task)
     task.check_config(config)
     convert, shape = image_converter(config.data)
@@ -96,22 +101,28 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
     results = [{"path": str(files[index]), "labels": [classes[label] for label in found[index][0]],
                 "scores": found[index][1]} for index in range(len(files))]
     if output and accelerator.is_main_process:
-        write_csv(results, Path(output))
+        write_csv(results, output)
     finish_command(accelerator)
     return results
 
 
-def write_csv(results: list[dict], path: Path) -> None:
-    """path,label,score[,label_2,score_2,...]: best first, scores (softmax probabilities) with 6 decimals."""
+def write_csv(results: list[dict], output: str | Path) -> None:
+    """path,label,score[,label_2,score_2,...]: best first, scores (softmax probabilities) with 6 decimals; into a
+    local file, or an object at a URL."""
     top_k = len(results[0]["labels"])
     header = ["path", "label", "score"]
     header += [f"{name}_{rank}" for rank in range(2, top_k + 1) for name in ("label", "score")]
+    text = io.StringIO(newline="")
+    rows = csv.writer(text)
+    rows.writerow(header)
+    for result in results:
+        pairs = [value for label, score in zip(result["labels"], result["scores"]) for value in (label, f"{score:.6f}")]
+        rows.writerow([result["path"], *pairs])
+    if is_remote(str(output)):
+        folder, _, name = str(output).rstrip("/").rpartition("/")
+        Store(folder, "output").write(name, text.getvalue().encode())
+        return
+    path = Path(output)
     with writing(path, "writing the predictions"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="") as handle:
-            rows = csv.writer(handle)
-            rows.writerow(header)
-            for result in results:
-                pairs = [value for label, score in zip(result["labels"], result["scores"])
-                         for value in (label, f"{score:.6f}")]
-                rows.writerow([result["path"], *pairs])
+        path.write_text(text.getvalue(), newline="")

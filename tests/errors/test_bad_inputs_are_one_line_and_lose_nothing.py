@@ -9,6 +9,7 @@ import sys
 import pytest
 from PIL import Image
 
+from accel_train import cli
 from support.commands import run_cli, train_in_process
 from support.locations import REPO, needs_fashion_mnist
 from support.runs import read_metrics
@@ -97,6 +98,54 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
     train_in_process("mnist_cnn", f"output_dir={out}", *TINY)
     return out
+
+
+MISTYPED_URLS = {  # (the command, what its one line says) of a location the user meant as a URL
+    "output_dir with one slash": (["train", "mnist_cnn", "output_dir=s3:/bucket/run", *TINY],
+                                  "output_dir=s3:/bucket/run: not a URL"),
+    "output_dir with no bucket": (["train", "mnist_cnn", "output_dir=s3://", *TINY],
+                                  "output_dir=s3://: the URL names no bucket"),
+    "output_dir with three slashes": (["train", "mnist_cnn", "output_dir=gs:///bucket/run", *TINY],
+                                      "write gs://bucket/run"),
+    "data.root of shards": (["train", "mnist_cnn", "data.name=shards", "data.root=s3:bucket/shards", *TINY[1:]],
+                            "data.root=s3:bucket/shards: not a URL"),
+    "model.init_from": (["train", "mnist_cnn", "model.init_from=s3:/bucket/run", *TINY],
+                        "model.init_from=s3:/bucket/run: not a URL"),
+    "shard output": (["shard", "mnist_cnn", "data.synthetic=true", "output=s3:/bucket/shards"],
+                     "output=s3:/bucket/shards: not a URL"),
+    "eval of a run": (["eval", "s3:/bucket/run"], "run=s3:/bucket/run: not a URL"),
+    "runs": (["runs", "s3://"], "runs=s3://: the URL names no bucket"),
+    "sweep output_dir": (["sweep", "mnist_cnn", "--trials", "1", "--metric", "accuracy",
+                          "train.lr=loguniform(1e-3,1e-1)", "output_dir=s3:/bucket/sweep"],
+                         "output_dir=s3:/bucket/sweep: not a URL"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTYPED_URLS))
+def test_a_mistyped_url_is_one_line_and_never_becomes_a_local_folder(case, tmp_path, monkeypatch, capsys):
+    """s3:/bucket/x, s3://, gs:///x: as paths they would be local folders named `s3:` (a run trained there, a
+    sweep, shards): refused in one line naming what was typed, exit 2, before anything is made."""
+    arguments, says = MISTYPED_URLS[case]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(arguments)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert stopped.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("accel-train: error: ") and says in lines[0], lines[0]
+    assert not list(tmp_path.iterdir()), f"left behind: {sorted(path.name for path in tmp_path.iterdir())}"
+
+
+@pytest.mark.parametrize("output", ["s3:/bucket/predictions.csv", "s3://bucket/curves.png"])
+def test_predict_and_plot_outputs_that_are_mistyped_urls_are_one_line_before_any_work(output, trained, tmp_path,
+                                                                                          monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    command = ["predict", str(trained), f"input={tmp_path}", f"output={output}"] if output.endswith(".csv") else \
+        ["plot", str(trained), f"output={output}"]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(command)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert stopped.value.code == 2 and len(lines) == 1 and f"output={output}" in lines[0], lines
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not safetensors"])

@@ -118,6 +118,10 @@ def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_c
     predicted = run_cli("predict", finished_run, f"input={images}", f"output={tmp_path / 'predictions.csv'}",
                         env=machine(tmp_path, "reader"))
     assert len((tmp_path / "predictions.csv").read_text().splitlines()) == 4, predicted.stdout
+    into_the_store = object_store.url("predicted/predictions.csv")  # output= a URL: the same CSV, as an object there
+    run_cli("predict", finished_run, f"input={images}", f"output={into_the_store}", env=machine(tmp_path, "reader"))
+    with object_store.fs().open(into_the_store, "rb") as stored:
+        assert stored.read() == (tmp_path / "predictions.csv").read_bytes()
     listed = run_cli("runs", object_store.url("runs"), env=machine(tmp_path, "reader")).stdout
     assert "done" in listed and f"{final['accuracy']:.4f}" in listed, listed
     run_cli("plot", finished_run, f"output={tmp_path / 'curves.png'}", env=machine(tmp_path, "reader"))
