@@ -32,7 +32,7 @@ from accel_train.config.recipes import run_folder_of
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint import check_resume, read_meta
-from accel_train.run.folder import check_output_dir
+from accel_train.run.folder import check_output_dir, refusals_leave_no_folder
 from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
 from accel_train.run.location import open_run, readable_run
 from accel_train.run.tracking import tracker_names
@@ -64,10 +64,11 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
         raise UserError("train_dataset and eval_dataset: give both, or neither (the recipe's data.name is used)")
-    task, trackers = check_training(config, task)
-    from accel_train.training import loop
+    with refusals_leave_no_folder(config):
+        task, trackers = check_training(config, task)
+        from accel_train.training import loop
 
-    return loop.train(config, task, trackers, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset)
+        return loop.train(config, task, trackers, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset)
 
 
 def check_training(config: Config, task: Task | None = None) -> tuple[Task, list[str]]:

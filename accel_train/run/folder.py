@@ -7,7 +7,9 @@ import os
 import shlex
 import socket
 import sys
+from contextlib import contextmanager
 from datetime import datetime
+from itertools import takewhile
 from pathlib import Path
 
 from accel_train.config import CONFIG_FILE, Config, save_config
@@ -25,6 +27,24 @@ from accel_train.run.layout import (
 )
 from accel_train.run.location import local_dir, mirror_of
 from accel_train.state import Observer, Progress, ResumePoint, State
+
+
+@contextmanager
+def refusals_leave_no_folder(config: Config):
+    """A run refused before it wrote anything (weights that do not fit, a loader setting refused once the data is
+    known) leaves no empty output_dir behind: the folders made for it are removed again where still empty (rmdir
+    removes nothing else), deepest first."""
+    folder = local_dir(config.output_dir)
+    made = [path for path in takewhile(lambda path: not path.exists(), [folder, *folder.parents])]
+    try:
+        yield
+    except UserError:
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:  # not empty: something was written there, or another process is using it
+                break
+        raise
 
 
 def check_output_dir(config: Config) -> None:

@@ -241,6 +241,20 @@ def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
     return copy
 
 
+def readable_weights(location: str, key: str) -> Path:
+    """Weights at a URL, as model.init_from or checkpoint= name them (a run folder, one of its checkpoints, or a
+    .safetensors file), copied into the read cache: the local run folder, checkpoint folder or file."""
+    check_location(location, key)
+    url = location.rstrip("/")
+    if not url.endswith(".safetensors"):
+        return readable_run(url, (CONFIG_FILE, CLASSES_FILE, MODEL_FILE))
+    folder, _, name = url.rpartition("/")
+    store, copy = Store(folder, key), _read_cache(folder)
+    if store.exists(name):
+        store.get(name, copy / name)
+    return copy / name
+
+
 def readable_runs(location: str) -> Path:
     """A folder holding runs, or one run: a local path as it is; at a URL, every run under it (a folder with
     config.yaml and metrics.jsonl) copied into the read cache in the same tree, without its weights."""

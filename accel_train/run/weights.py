@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
 from accel_train.run.layout import CLASSES_FILE, MODEL_FILE, read_classes, usual_permissions
+from accel_train.storage import is_remote
 
 if TYPE_CHECKING:
     import torch
@@ -38,9 +39,14 @@ def export(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> None
 
 
 def weights_file(checkpoint: str, key: str = "checkpoint") -> Path:
-    """The model.safetensors of a run folder, of a checkpoint folder, or the file itself; `key` is the setting that
-    named it, for the line that says it is not there."""
-    weights = Path(checkpoint)
+    """The model.safetensors of a run folder, of a checkpoint folder, or the file itself, local or at a URL (copied
+    into the read cache); `key` is the setting that named it, for the line that says it is not there."""
+    if is_remote(checkpoint):
+        from accel_train.run.location import readable_weights
+
+        weights = readable_weights(checkpoint, key)
+    else:
+        weights = Path(checkpoint)
     if weights.is_dir():
         weights = weights / MODEL_FILE
     if not weights.is_file():

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from accel_train.errors import UserError
+from accel_train.errors import UnreadableFileError, UserError
 from accel_train.sweep.space import Parameter
 
 STUDY_FILE = "study.journal"
@@ -58,11 +58,12 @@ def journal(folder: Path):
 
 @contextmanager
 def readable_journal(folder: Path):
-    """A journal Optuna cannot replay (KeyError, ValueError or its own errors) becomes one line naming the file."""
+    """A journal Optuna cannot replay (KeyError, ValueError or its own errors) becomes one line naming the file, exit 3
+    (a damaged file)."""
     try:
         yield
     except Exception as err:
-        raise UserError(f"{folder / STUDY_FILE} cannot be read as the sweep's study ({type(err).__name__}: "
+        raise UnreadableFileError(f"{folder / STUDY_FILE} cannot be read as the sweep's study ({type(err).__name__}: "
                         f"{str(err).splitlines()[0] if str(err) else ''}); it is damaged or not a study: restore it, "
                         "or start the sweep again in a new output_dir") from None
 

@@ -148,6 +148,23 @@ def test_predict_and_plot_outputs_that_are_mistyped_urls_are_one_line_before_any
     assert not list(tmp_path.iterdir())
 
 
+def test_a_run_refused_after_its_folder_was_made_leaves_no_folder_behind(trained, tmp_path, capsys):
+    """Weights of another model are refused once the model is built, after output_dir was made for the run: the
+    folders made for it (a parent too) go again, as a refusal before them would have left nothing."""
+    output_dir = tmp_path / "new" / "run"
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", "mnist_cnn", "model.name=resnet18", f"model.init_from={trained}", f"output_dir={output_dir}",
+                  *TINY])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"model.init_from={trained} does not fit" in err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a folder that was there before is kept, empty as it was
+    with pytest.raises(SystemExit):
+        cli.main(["train", "mnist_cnn", "model.name=resnet18", f"model.init_from={trained}",
+                  f"output_dir={tmp_path / 'kept'}", *TINY])
+    assert (tmp_path / "kept").is_dir()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not safetensors"])
 def test_eval_of_damaged_weights_says_which_file_in_one_line(trained, tmp_path, damage):
     weights = tmp_path / "model.safetensors"

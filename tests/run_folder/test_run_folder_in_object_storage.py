@@ -131,6 +131,26 @@ def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_c
     assert read_metrics(download(object_store, again, tmp_path / "again"), "test")[-1]["num_samples"] == 40
 
 
+def test_model_init_from_takes_a_run_a_checkpoint_or_a_weights_file_at_a_url(finished_run, object_store, tmp_path,
+                                                                              monkeypatch):
+    from accel_train.errors import DataNotFoundError
+    from accel_train.run.weights import weights_file
+
+    monkeypatch.setenv("ACCEL_TRAIN_STAGING", str(tmp_path / "reader"))
+    checkpoint = f"{finished_run}/checkpoints/step-00000004"
+    for source, stored in ((finished_run, "model.safetensors"), (f"{checkpoint}/", f"{checkpoint}/model.safetensors"),
+                           (f"{finished_run}/model.safetensors", "model.safetensors")):
+        with object_store.fs().open(stored if "://" in stored else f"{finished_run}/{stored}", "rb") as weights:
+            assert weights_file(source, "model.init_from").read_bytes() == weights.read(), source
+    missing = f"{finished_run}/checkpoints/step-00000099"
+    with pytest.raises(DataNotFoundError, match=f"model.init_from={missing}: no model.safetensors there"):
+        weights_file(missing, "model.init_from")
+    trained = run_cli("train", "mnist_cnn", "data.synthetic=true", "data.train_subset=48", "data.eval_subset=40",
+                      "train.batch_size=24", "train.max_steps=1", "train.plot=false", f"model.init_from={checkpoint}",
+                      f"output_dir={tmp_path / 'from_the_store'}", env=machine(tmp_path, "trainer3"))
+    assert read_metrics(tmp_path / "from_the_store", "test")[-1]["num_samples"] == 40, trained.stdout
+
+
 @pytest.mark.floors  # s3fs, accelerate and torch at their floors: the upload, the manifest, the fetch
 def test_kill_9_during_an_upload_leaves_a_partial_checkpoint_the_next_start_ignores_saying_so(object_store, tmp_path):
     url = object_store.url("runs/killed")
