@@ -309,3 +309,53 @@ def test_shards_go_to_a_new_folder_of_a_bucket_whose_name_says_bucket_and_an_unk
     with pytest.raises(UserError, match=r"^s3://no-such-bucket/fashion_mnist/\S+: The specified bucket does not "
                                         r"exist; check the bucket's name"):
         write_shards(cfg, "s3://no-such-bucket/fashion_mnist", **SIZES)
+
+
+SYNTHETIC = ["shard", "mnist_cnn", "data.synthetic=true", "data.train_subset=40", "data.eval_subset=20"]
+
+
+def _one_line(arguments: list[str], exit_code: int, capsys) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(arguments)
+    lines = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == exit_code and len(lines) == 1, lines
+    return lines[0].removeprefix("accel-train: error: ")
+
+
+def test_shards_onto_a_file_or_over_a_damaged_record_are_one_line_and_touch_nothing(tmp_path, capsys):
+    file = tmp_path / "results.txt"
+    file.write_text("mine")
+    for output in (file, file / "shards"):
+        said = _one_line([*SYNTHETIC, f"output={output}"], 2, capsys)
+        assert said == f"shard: output={output}: {file} is a file, not a folder; give a folder (or a URL) for the " \
+                       "shards"
+    assert file.read_text() == "mine"
+
+    out = tmp_path / "shards"
+    cli.main([*SYNTHETIC, f"output={out}"])
+    (out / "train" / "index.json").write_text('{"split": "train", "shards": [')  # cut short
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    said = _one_line([*SYNTHETIC, f"output={out}"], 3, capsys)
+    assert said.startswith(f"shard: {out}/train/index.json is damaged (JSONDecodeError") and "write again" in said
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+
+
+def test_shard_index_never_replaces_the_index_accel_train_shard_wrote_and_refuses_a_tar_cut_short(tmp_path, capsys):
+    out = tmp_path / "shards"
+    cli.main([*SYNTHETIC, f"output={out}"])
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    said = _one_line(["shard", "index", str(out)], 2, capsys)
+    assert said.startswith(f"shard index: {out}/train/index.json was written by accel-train shard (from mnist)")
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+
+    tars = tmp_path / "tars"
+    for split in ("train", "test"):
+        (tars / split).mkdir(parents=True)
+        (tars / split / "mine-000.tar").write_bytes((out / split / "shard-000000.tar").read_bytes())
+    whole = (tars / "train" / "mine-000.tar").read_bytes()
+    (tars / "train" / "mine-000.tar").write_bytes(whole[:len(whole) // 2])  # a copy cut short
+    said = _one_line(["shard", "index", str(tars)], 3, capsys)
+    assert said.startswith(f"shard index: {tars}/train/mine-000.tar is not a whole tar (cut short: ")
+    assert not list(tars.rglob("index.json"))

@@ -175,6 +175,8 @@ def index_tar(name: str, data: bytes, block_bytes: int = BLOCK_BYTES) -> tuple[S
             if parts[1] in ("cls", "json"):
                 labels[-1] = label_of(parts[1], data[member.offset_data:member.offset_data + member.size])
             end = member.offset_data + padded(member.size)
+    if end + 2 * tarfile.BLOCKSIZE > len(data):  # tarfile stops quietly at a tar cut short: samples would go missing
+        raise ValueError(f"cut short: its members end at byte {end:,} of {len(data):,}, without the tar's end blocks")
     firsts = []  # each block's first sample: a block closes once it holds block_bytes
     for position, offset in enumerate(offsets):
         if not firsts or offset - offsets[firsts[-1]] >= block_bytes:

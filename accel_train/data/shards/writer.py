@@ -15,6 +15,7 @@ import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,8 +46,8 @@ from accel_train.data.shards.format import (
     tar_of,
 )
 from accel_train.data.torchvision_sets import SOURCES
-from accel_train.errors import UserError
-from accel_train.storage import Store, check_location
+from accel_train.errors import UnreadableFileError, UserError
+from accel_train.storage import Store, check_location, is_remote
 
 JPEG_QUALITY = 90  # images=jpeg: the usual quality of a photograph (and of the bench's folder of them)
 SHARD_MB = 256  # webdataset's advice: shards of 100 MB to 1 GB
@@ -226,6 +227,7 @@ def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block
     from accel_train.data import check_data_name
 
     check_location(output, "output")
+    _check_folder(output)
     check_data_name(cfg)
     storage = storage_for(cfg, images, shrink_to)
     store = Store(output, "output", cfg.store_patience_s)
@@ -249,19 +251,41 @@ def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block
         f"data.name=shards data.root={store.location}{' data.args={}' if cfg.args else ''}")
 
 
+def _check_folder(output: str) -> None:
+    """A local output= is a folder, or goes where one can be made: not a file, nor under one."""
+    if is_remote(output):
+        return
+    for path in (Path(output), *Path(output).parents):
+        if path.exists():
+            if not path.is_dir():
+                raise UserError(f"shard: output={output}: {path} is a file, not a folder; give a folder (or a URL) for "
+                                "the shards")
+            return
+
+
+def _recorded(store: Store, name: str, read: Callable[[bytes], object]):
+    """A record of an earlier write (its settings, a split's index) as `read` makes it, or one line naming the file
+    that cannot be read, exit 3."""
+    try:
+        return read(store.read(name))
+    except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
+        raise UnreadableFileError(f"shard: {store.url(name)} is damaged ({type(err).__name__}: {err}); remove "
+                                  f"{store.location} (or that file) and write again, or give another output=") from None
+
+
 def _already_written(store: Store, settings: dict) -> bool:
     """True when `output` holds these shards complete; a refusal when it holds others or a write of other settings;
     False (write, or finish) otherwise."""
     pending = store.exists(WRITING_FILE)
     if pending:
-        before = json.loads(store.read(WRITING_FILE))
+        before = _recorded(store, WRITING_FILE, json.loads)
         if before != settings:
             raise UserError(f"shard: {store.location} holds a write cut short of other settings "
                             f"({_differences(before, settings)}); run it again with those, or give another output= "
                             "(or remove that one)")
         say(f"shard: finishing the write to {store.location} that was cut short")
         return False
-    indexes = [SplitIndex.from_json(store.read(f"{split}/{INDEX_FILE}")) for split in SPLITS
+    indexes = [_recorded(store, f"{split}/{INDEX_FILE}", SplitIndex.from_json) for split in SPLITS
                if store.exists(f"{split}/{INDEX_FILE}")]
     if indexes:
         before = indexes[0].settings or {}
@@ -344,6 +368,13 @@ def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
     if not found["train"] or not (found["test"] or found["val"]):
         raise UserError(f"shard index: {store.location} needs train/*.tar and test/*.tar (or val/*.tar); found "
                         f"{', '.join(f'{split}/: {len(names)} tar(s)' for split, names in found.items())}")
+    for split in SPLITS:  # an index accel-train shard wrote records how its images were made: never replaced
+        held = _recorded(store, f"{split}/{INDEX_FILE}", SplitIndex.from_json) \
+            if store.exists(f"{split}/{INDEX_FILE}") else None
+        if held is not None and held.source != "tars":
+            raise UserError(f"shard index: {store.url(f'{split}/{INDEX_FILE}')} was written by accel-train shard (from "
+                            f"{held.source}), and its classes, normalisation and transforms are theirs: train from "
+                            f"the shards as they are (data.name=shards data.root={store.location})")
     indexes, known = [], []
     for split, names in found.items():
         if not names:
@@ -351,7 +382,11 @@ def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
         shards, labels, sizes, kinds = [], [], set(), set()
         for name in tqdm(names, desc=f"index {split}", unit="shards", disable=None):
             data = store.read(f"{split}/{name}")
-            shard, shard_labels = index_tar(name, data, int(block_mb * 2**20))
+            try:
+                shard, shard_labels = index_tar(name, data, int(block_mb * 2**20))
+            except (tarfile.TarError, ValueError) as err:
+                raise UnreadableFileError(f"shard index: {store.url(f'{split}/{name}')} is not a whole tar ({err}); "
+                                          "write it again, or remove it") from None
             shards.append(shard)
             labels += shard_labels
             for position in range(shard.samples):
