@@ -138,13 +138,23 @@ def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: S
     if split not in ("test", "val"):
         raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
     if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store, copied into the read cache
-        recipe = str(readable_run(recipe))
+        recipe = _copied(recipe, command, recipe)
     if checkpoint is not None and is_remote(checkpoint):
-        checkpoint = str(readable_run(checkpoint))
+        checkpoint = _copied(checkpoint, command, f"checkpoint={checkpoint}")
     recipe, checkpoint = _recipe_and_checkpoint(recipe, checkpoint, command)
     config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)
     _refuse_other_settings(config, checkpoint, command)
     return config, checkpoint
+
+
+def _copied(url: str, command: str, named: str) -> str:
+    """A run's or checkpoint's URL copied into the read cache: the copy, or one line naming the URL (not the copy)
+    when nothing of a run is there."""
+    copy = readable_run(url)
+    if not ((copy / CONFIG_FILE).is_file() or (copy / MODEL_FILE).is_file()):
+        raise DataNotFoundError(f"{command} {named}: no run there ({CONFIG_FILE} nor {MODEL_FILE} at that URL); pass "
+                                "a run's output_dir or one of its checkpoints (RUN/checkpoints/step-N)")
+    return str(copy)
 
 
 def _refuse_other_settings(config: Config, checkpoint: str, command: str) -> None:

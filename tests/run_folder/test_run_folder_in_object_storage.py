@@ -132,11 +132,21 @@ def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_c
 
 
 def test_model_init_from_takes_a_run_a_checkpoint_or_a_weights_file_at_a_url(finished_run, object_store, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, capsys):
+    """...and eval of a URL holding no run says so naming that URL, not this machine's copy of it."""
+    from accel_train import cli
     from accel_train.errors import DataNotFoundError
     from accel_train.run.weights import weights_file
 
     monkeypatch.setenv("ACCEL_TRAIN_STAGING", str(tmp_path / "reader"))
+    for arguments, named in ((["eval", f"{finished_run}-typo"], f"eval {finished_run}-typo"),
+                             (["eval", f"checkpoint={finished_run}/checkpoints/step-00000099"],
+                              f"eval checkpoint={finished_run}/checkpoints/step-00000099")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(arguments)
+        lines = capsys.readouterr().err.splitlines()
+        assert stopped.value.code == 3 and len(lines) == 1 and str(tmp_path) not in lines[0], lines
+        assert lines[0].startswith(f"accel-train: error: {named}: no run there"), lines
     checkpoint = f"{finished_run}/checkpoints/step-00000004"
     for source, stored in ((finished_run, "model.safetensors"), (f"{checkpoint}/", f"{checkpoint}/model.safetensors"),
                            (f"{finished_run}/model.safetensors", "model.safetensors")):
