@@ -431,10 +431,18 @@ def _show_runs(args: argparse.Namespace) -> None:
         from accel_train.errors import writing
         from accel_train.run.plots import plot_runs
 
-        output = Path(given["output"]) if "output" in given else \
+        # one run at a URL: drawn beside it, in the store (as training draws it), not into the current folder
+        beside_url = "output" not in given and len(folders) == len(found) == 1 and is_remote(folders[0])
+        output = Path(given["output"]) if "output" in given else found[0] / CURVES_FILE if beside_url else \
             plot_output(folders if not any(map(is_remote, folders)) else [*folders, ""], found)
         with writing(output, "drawing the plot", "choose another output=FILE"):
-            print(plot_runs(found, output, runs.run_names(found)), flush=True)
+            drawn = plot_runs(found, output, runs.run_names(found))
+        if beside_url:
+            from accel_train.storage import Store
+
+            Store(folders[0], "run").put(drawn, CURVES_FILE)
+            drawn = f"{folders[0].rstrip('/')}/{CURVES_FILE}"
+        print(drawn, flush=True)
         return
     root = readable_runs(args.folder)
     if sweep_results.is_sweep(root) and not args.diff:

@@ -20,7 +20,7 @@ from PIL import Image
 
 from accel_train.run.layout import read_starts
 from support.commands import PYTHON, last_json_line, launch, run_cli, start, start_launch, wait_for
-from support.locations import PROBE
+from support.locations import PROBE, REPO
 from support.runs import assert_same_run, read_metrics
 
 STEPS_PER_EPOCH = 10
@@ -126,6 +126,10 @@ def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_c
     assert "done" in listed and f"{final['accuracy']:.4f}" in listed, listed
     run_cli("plot", finished_run, f"output={tmp_path / 'curves.png'}", env=machine(tmp_path, "reader"))
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+    beside = run_cli("plot", finished_run, env=machine(tmp_path, "reader")).stdout  # no output=: beside the run
+    assert beside.strip() == f"{finished_run}/curves.png" and not (REPO / "curves.png").exists()
+    with object_store.fs().open(f"{finished_run}/curves.png", "rb") as drawn:
+        assert len(drawn.read()) > 10_000
     again = object_store.url("runs/again")
     run_cli("train", finished_run, f"output_dir={again}", env=machine(tmp_path, "trainer2"))
     assert read_metrics(download(object_store, again, tmp_path / "again"), "test")[-1]["num_samples"] == 40
