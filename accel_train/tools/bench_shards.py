@@ -2,18 +2,18 @@
 warm cache), from an ImageFolder tree on local disk, and through webdataset's own loader over the same shards,
 side by side; and the bytes each read from the store.
 
-The recipe's images (a dataset of the registry) are written once as an ImageFolder tree under output_dir and as
-shards of that tree at URL; every row then decodes the same PNG files with the same transforms (ImageFolder's, at
-the images' own size) on the same number of DataLoader workers, one epoch each, every batch delivered to the
-training device. Bytes read from the store are what the cache took in (blocks are only ever added by a download),
-or, for webdataset, the shards it streamed.
+The recipe's images (a dataset of the registry) are written as an ImageFolder tree in a temporary folder (removed at
+the end, as every scratch file of the bench) and as shards of that tree at URL; every row then decodes the same PNG
+files with the same transforms (ImageFolder's, at the images' own size) on the same number of DataLoader workers, one
+epoch each, every batch delivered to the training device. Bytes read from the store are what the cache took in
+(blocks are only ever added by a download), or, for webdataset, the shards it streamed. A window too short to time
+(fewer batches than four times those the workers hold ready) is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +31,12 @@ from accel_train.errors import UserError
 
 def run_shards_bench(recipe: str, overrides: list[str], url: str, batches: int | None) -> dict:
     config = load_config(recipe, ["output_dir=runs/bench_shards", "train.progress_bar=false", *overrides])
+    with tempfile.TemporaryDirectory(prefix="accel-train-bench-tree-") as scratch:
+        return _bench(recipe, config, url, batches, Path(scratch) / "images")
+
+
+def _bench(recipe: str, config: Config, url: str, batches: int | None, tree: Path) -> dict:
     out = Path(config.output_dir)
-    tree = out / "images"
     source = build_dataset(config.data, train=True)
     if not source.in_memory:
         raise UserError(f"bench --shards: data.name={config.data.name}: give a recipe of a dataset of the registry "
@@ -68,6 +72,7 @@ def run_shards_bench(recipe: str, overrides: list[str], url: str, batches: int |
         say("bench --shards: webdataset is not installed (pip install webdataset): its row is left out")
     result = {"recipe": recipe, "url": url, "batch_size": batch, "workers": workers, "image_size": side,
               "train_samples": len(source.dataset), "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
     (out / "bench_shards.json").write_text(json.dumps(result, indent=2) + "\n")
     table = to_markdown(result)
     (out / "bench_shards.md").write_text(table)
@@ -94,10 +99,7 @@ def _stored_anew(accelerator, config: Config, batch: int, batches: int | None) -
 
 
 def _write_tree(config: Config, tree: Path) -> None:
-    """The recipe's train and test images as PNG files in class folders (once: kept for the next bench)."""
-    if (tree / "complete").exists():
-        return
-    shutil.rmtree(tree, ignore_errors=True)
+    """The recipe's train and test images as PNG files in class folders."""
     for split, train in (("train", True), ("test", False)):
         data = build_dataset(config.data, train)
         images, labels = data.dataset.images.cpu(), data.dataset.labels.cpu()
@@ -105,7 +107,6 @@ def _write_tree(config: Config, tree: Path) -> None:
             folder = tree / split / data.classes[int(labels[index])].replace("/", "_")
             folder.mkdir(parents=True, exist_ok=True)
             pil_image(images[index]).save(folder / f"{index:06d}.png")
-    (tree / "complete").write_text("")
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -117,21 +118,28 @@ def _epoch(accelerator, cfg, batch: int, batches: int | None) -> tuple[float, in
     data = build_dataset(cfg, train=True)
     loader = accelerator.prepare(make_loader(data, cfg, batch, True, accelerator.device))
     start_epoch(loader, 0, 0)
-    rate, seen = _timed(loader, batches)
+    rate, seen = _timed(loader, batches, dataloader_workers(cfg.num_workers))
     accelerator.free_memory()
     return rate, seen
 
 
-def _timed(loader, batches: int | None) -> tuple[float, int]:
-    """Samples per second over the loader's batches (or `batches` of them) after two warm-up batches, and how many."""
-    seen, started = 0, None
+def _timed(loader, batches: int | None, workers: int = 0) -> tuple[float, int]:
+    """Samples per second over the loader's batches (or `batches` of them) after two warm-up batches, and how many.
+    `workers` DataLoader workers hold up to two batches each ready before the clock starts: a window of fewer than
+    four times those would report them as read in no time, so it is refused."""
+    seen, started, timed = 0, None, 0
     for number, (images, *_) in enumerate(loader):
         if number < 2:  # warm-up: the clock starts once the second batch is there, which is not counted
             started = time.perf_counter()
             continue
-        seen += len(images)
+        seen, timed = seen + len(images), timed + 1
         if batches is not None and number >= batches + 1:
             break
+    needed = 4 * max(1, 2 * workers)
+    if timed < needed:
+        raise UserError(f"bench --shards: {timed} batch(es) to time after the 2 of warm-up, fewer than the {needed} a "
+                        f"window needs with {workers} DataLoader worker(s) holding batches ready before the clock "
+                        "starts; raise data.train_subset or --steps, or lower train.batch_size")
     return seen / (time.perf_counter() - started), seen
 
 
@@ -158,7 +166,7 @@ def _webdataset_epoch(cfg, batch: int, workers: int, batches: int | None, device
                 .shuffle(per_shard).decode("pil").to_tuple("png", "cls")
                 .map_tuple(lambda image: transform(image.convert("RGB")), int).batched(batch, partial=False))
     loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda")
-    rate, seen = _timed(((images.to(device), labels) for images, labels in loader), batches)
+    rate, seen = _timed(((images.to(device), labels) for images, labels in loader), batches, workers)
     return rate, seen, index.bytes if batches is None else 0
 
 

@@ -5,6 +5,7 @@ The numbers are not checked: timings belong to the bench, not to tests."""
 import json
 import math
 
+import pytest
 import torch
 
 from support.commands import run_cli
@@ -67,6 +68,20 @@ def test_bench_shards_reads_the_same_images_six_ways_and_counts_the_bytes_each_t
     blocks = sum(shard.end - shard.offsets[0] for shard in index.shards)
     assert [row["store_bytes"] for row in rows.values()] == [blocks, 0, 0, 0, 0, index.bytes]
     assert (tmp_path / "bench" / "bench_shards.md").read_text() in result.stdout
+    # its scratch (the ImageFolder tree, local shards, caches) went with it: only the results stay
+    assert sorted(path.name for path in (tmp_path / "bench").iterdir()) == ["bench_shards.json", "bench_shards.md"]
+
+
+def test_bench_shards_refuses_a_window_too_short_to_time_rather_than_report_it():
+    """Batches the workers made before the clock started would count as read in no time (532,650 samples/s)."""
+    from accel_train.errors import UserError
+    from accel_train.tools.bench_shards import _timed
+
+    batches = [(torch.zeros(8, 1, 4, 4), torch.zeros(8))] * 12
+    assert _timed(iter(batches), None, workers=1)[1] == 10 * 8
+    with pytest.raises(UserError, match="9 batch\\(es\\) to time after the 2 of warm-up, fewer than the 16 a window "
+                                        "needs with 2 DataLoader worker"):
+        _timed(iter(batches[:11]), None, workers=2)
 
 
 def test_bench_saves_times_a_synchronous_save_and_a_background_one_into_the_store(object_store):
