@@ -75,6 +75,9 @@ def check_training(config: Config, task: Task | None = None) -> tuple[Task, list
     """Every check before training, once: first those that need no torch (trackers, the run folder, the checkpoint
     to resume), so a mistake there answers at once; then the task's (the task `config.task` names when none is
     given). Returns the task and Accelerate's tracker names."""
+    for key, location in (("output_dir", config.output_dir), ("data.root", config.data.root),
+                          ("model.init_from", config.model.init_from)):
+        check_url_form(location, key)  # s3:/bucket would become a local folder named "s3:"
     trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
     open_run(config.output_dir, config.data.store_patience_s)  # a URL: the store checked, staging pulled from it
     check_resume(config)  # before the folder is made

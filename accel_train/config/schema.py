@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from accel_train.errors import UserError
 from accel_train.import_paths import is_import_path
-from accel_train.storage import check_url_form
 
 
 @dataclass(frozen=True)
@@ -283,9 +282,6 @@ def spelled_mapping(mapping: dict) -> str:
 def check_values(config: Config, given: set[str] | frozenset[str] = frozenset()) -> None:
     """Every key within its ranges, then the rules that tie keys together; the first broken one, in one line.
     `given`: the keys overrides set on the recipe."""
-    for key, location in (("output_dir", config.output_dir), ("data.root", config.data.root),
-                          ("model.init_from", config.model.init_from)):
-        check_url_form(location, key)  # s3:/bucket would become a local folder named "s3:"
     if config.output_dir.startswith("file://"):  # as a path it would be a local folder named "file:"
         raise UserError(f"output_dir={config.output_dir}: give a local folder as a path, without file:// "
                         f"(output_dir={config.output_dir[len('file://'):]})")

@@ -61,7 +61,7 @@ def test_a_sweep_whose_study_journal_is_damaged_is_named_in_one_line(tmp_path, c
         with pytest.raises(SystemExit) as stop:
             main(command)
         stderr = capsys.readouterr().err
-        assert stop.value.code == 2 and "Traceback" not in stderr, stderr
+        assert stop.value.code == 3 and "Traceback" not in stderr, stderr  # README's code for a damaged file
         assert stderr.strip() == (f"accel-train: error: {tmp_path / 'study.journal'} cannot be read as the sweep's "
                                   "study (KeyError: 'Record does not exist.'); it is damaged or not a study: restore "
                                   "it, or start the sweep again in a new output_dir")

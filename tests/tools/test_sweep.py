@@ -7,7 +7,6 @@ the median pruner has something to decide.
 
 import json
 import re
-import shutil
 import signal
 import sys
 import time
@@ -238,20 +237,6 @@ def test_a_changed_search_space_against_an_existing_study_is_one_line_and_the_st
     assert (f"{folder} holds a study of another search (search train.label_smoothing=uniform(0,0.1) "
             "train.lr=choice(0.003,1.0e-06,1000000000.0) there, train.label_smoothing=uniform(0,0.2)") in err
     assert (folder / "study.journal").read_bytes() == journal
-
-
-def test_a_damaged_study_is_one_line_naming_it_with_the_exit_code_of_a_damaged_file(six_trials, tmp_path, capsys):
-    from accel_train.cli import main
-
-    folder, _ = six_trials
-    damaged = tmp_path / "sweep"
-    shutil.copytree(folder, damaged)
-    (damaged / "study.journal").write_bytes(b"not a line of a journal\n" + (folder / "study.journal").read_bytes())
-    with pytest.raises(SystemExit) as stopped:
-        main([*SWEEP, "--trials", "8", f"output_dir={damaged}"])
-    err = capsys.readouterr().err
-    assert stopped.value.code == 3 and err.count("\n") == 1, err
-    assert f"{damaged / 'study.journal'} cannot be read as the sweep's study" in err and "damaged" in err
 
 
 def test_without_optuna_the_sweep_gives_the_install_command(tmp_path, capsys, monkeypatch):
