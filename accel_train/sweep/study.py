@@ -64,8 +64,8 @@ def readable_journal(folder: Path):
         yield
     except Exception as err:
         raise UnreadableFileError(f"{folder / STUDY_FILE} cannot be read as the sweep's study ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''}); it is damaged or not a study: restore it, "
-                        "or start the sweep again in a new output_dir") from None
+                                  f"{str(err).splitlines()[0] if str(err) else ''}); it is damaged or not a study: "
+                                  "restore it, or start the sweep again in a new output_dir") from None
 
 
 def distribution(parameter: Parameter):
