@@ -57,6 +57,7 @@ Faults:
   silent failure the world-size check stops.
 - PROBE_SIGNALS_AT=STEP makes process 0 send itself SIGTERM during optimizer step STEP, then SIGINT (a second
   signal, as a launcher forwarding Ctrl-C again) as soon as the checkpoint that the first one asked for starts.
+- PROBE_SIGTERM_AT=STEP makes process 0 send itself SIGTERM during optimizer step STEP, and nothing more.
 - PROBE_WAIT_FOR_SIGNAL=NAME:STEP: in the run whose output_dir is named NAME, every process waits after optimizer
   step STEP until it receives SIGTERM or SIGINT, so that a script that signals the launcher once a line is logged
   stops the run at a known step (with train.eval_every_steps=STEP the processes agree on the signal there). A resume
@@ -127,6 +128,8 @@ def faults_asked(run_name: str) -> list:
         asked.append(faults.LoadApiError())
     if env.get("PROBE_SIGNALS_AT"):
         asked.append(faults.SignalsAt(whole_number("PROBE_SIGNALS_AT")))
+    if env.get("PROBE_SIGTERM_AT"):
+        asked.append(faults.SignalsAt(whole_number("PROBE_SIGTERM_AT"), second=False))
     if env.get("PROBE_NO_PROCESS_GROUP"):
         asked.append(faults.NoProcessGroup())
     if env.get("PROBE_WAIT_FOR_SIGNAL"):

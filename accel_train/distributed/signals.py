@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from typing import TYPE_CHECKING
 
 from accel_train.console import say
@@ -14,17 +13,6 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-SIGNAL_CHECK_S = 2.0  # how often processes agree on a stop signal: well inside launchers' 30 s grace before SIGKILL
-MAX_STEPS_BETWEEN_CHECKS = 10_000
-
-
-def steps_between_checks(seconds_per_step: float, every_s: float = SIGNAL_CHECK_S) -> int:
-    """Optimizer steps until the next stop-signal agreement: about `every_s` seconds of the slowest process."""
-    if seconds_per_step <= 0:
-        return 1
-    return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(every_s / seconds_per_step)))
-
-
 class StopSignals:
     """SIGTERM / SIGINT are recorded instead of killing the process; all processes then agree to stop at one step.
 
@@ -32,9 +20,10 @@ class StopSignals:
     allow a grace period before SIGKILL; a second signal (the launcher forwarding Ctrl-C once more) must not
     cut the checkpoint short, so it is only noted.
 
-    The agreement is an all-reduce over a CPU (gloo) group, never the GPU one, so it needs no device sync; and
-    it happens about every SIGNAL_CHECK_S seconds rather than every step, because on several machines each one
-    is a network round trip. Every process computes the same next step to agree at, from values it reduced.
+    The agreement is an all-reduce over a CPU (gloo) group, never the GPU one, so it needs no device sync. Each
+    optimizer step starts one without waiting (async_op) and reads the one the step before started, which has had
+    a whole step to finish: the network round trip between machines stays off the step, and a signal stops the
+    run at most one step after the step it came in (a store-backed run too, whose saves take longer).
     """
 
     HANDLED = (signal.SIGTERM, signal.SIGINT)
@@ -43,8 +32,7 @@ class StopSignals:
         self.accelerator, self.process = accelerator, accelerator.process_index
         self.timeout_s = collective_timeout_s
         self.received: str | None = None
-        self.next_check: int | None = None  # None: at the first step asked
-        self._last_check: tuple[int, float] | None = None  # (step, time) of the previous agreement
+        self._under_way = None  # (flag tensor, torch's Work) of the agreement the previous step started
         self._previous = {}
         # Set once this process is ending itself (watchdog.py: it stopped, or waits for one that did): a signal
         # then changes nothing, and says nothing of a checkpoint that will not come.
@@ -58,8 +46,12 @@ class StopSignals:
             self._previous = {sig: signal.signal(sig, self._record) for sig in self.HANDLED}
         return self
 
-    def __exit__(self, *exc) -> None:
-        """Training is over: the signals act as they did before (a script calling train() gets Ctrl-C back)."""
+    def __exit__(self, kind, error, trace) -> None:
+        """Training is over: the signals act as they did before (a script calling train() gets Ctrl-C back). An
+        agreement still under way ends first, unless training failed (a peer may be gone, that it would wait for)."""
+        if kind is None and self._under_way is not None:
+            self._under_way[1].wait()
+        self._under_way = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -72,26 +64,30 @@ class StopSignals:
     def agreed(self, step: int, now: bool = False) -> bool:
         """True on every process, at the same step, once any process got SIGTERM / SIGINT.
 
-        Asked after every optimizer step; `now=True` (where the processes wait for each other anyway, after an
-        evaluation) agrees at once. A single process needs no agreement and stops at the next step.
+        Asked after every optimizer step: it reads the agreement the previous step started and starts this step's,
+        so a signal is agreed on at the step after the one it came in. `now=True` (where the processes wait for each
+        other anyway, after an evaluation) agrees at once. A single process needs no agreement and stops at the next
+        step.
         """
         if self.accelerator.num_processes == 1:
             return self.received is not None
-        if not now and self.next_check is not None and step < self.next_check:
-            return False
         import torch
         import torch.distributed as dist
 
-        clock = time.perf_counter()
-        seconds_per_step = 0.0
-        if self._last_check is not None and step > self._last_check[0]:
-            seconds_per_step = (clock - self._last_check[1]) / (step - self._last_check[0])
-        flags = torch.tensor([float(self.received is not None), seconds_per_step])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))
-        received, slowest = flags.tolist()
-        self.next_check = step + steps_between_checks(slowest)
-        self._last_check = (step, time.perf_counter())
-        return received > 0
+        received = False
+        if self._under_way is not None:
+            flag, work = self._under_way
+            self._under_way = None
+            work.wait()
+            received = flag.item() > 0
+        if received:  # every process read the same flag: none starts another
+            return True
+        flag = torch.tensor([float(self.received is not None)])
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s), async_op=not now)
+        if now:
+            return flag.item() > 0
+        self._under_way = (flag, work)
+        return False
 
     def stop_message(self, step: int, saved: str | None) -> str:
         """Where the run stopped and how it goes on: under a launcher that restarts (an elastic job's membership

@@ -11,7 +11,9 @@ Python lets go of the GIL there, and `faulthandler` dumps every thread's stack f
 No collective and no message: when one process stops, the others block in their next collective within a micro-batch,
 so each one's own clock fires within a micro-batch of the stopped one's. Each writes its stacks and a record (where
 its main thread is: a phase, a step, the innermost frame outside the standard library, and whether that is inside a
-collective) into the run folder, which the machines share for checkpoints anyway. The main process reads the records,
+collective) into the run folder, which the machines share for checkpoints anyway; a run folder in object storage is no
+folder they share (each process writes into staging of its own), so there every file also goes to the store's stuck/
+and is read from there. The main process reads the records,
 names the processes that are not waiting in a collective as the stopped ones, and those without a record as not
 answering (dead, frozen by SIGSTOP, or a C call that never lets go of the GIL), writes its line to report.json and
 exits; the others exit once that file is there. All of it before train.collective_timeout_s, after which torch ends
@@ -30,6 +32,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from accel_train import hooks
 from accel_train.console import say
@@ -142,11 +145,23 @@ def blocked_worker_frame(stacks: str) -> tuple[str, str, int] | None:
     return None
 
 
-class Watchdog:
-    """`with Watchdog(...) as watchdog:` around training, on every process; `watchdog.mark()` at each micro-batch."""
+class Shared(Protocol):
+    """The folder every process reaches where they share no disk (storage.Store: the run's stuck/ in a store)."""
 
-    def __init__(self, accelerator, train, progress, folder: Path, signals) -> None:
+    def put(self, source: Path, name: str) -> None: ...
+    def read(self, name: str) -> bytes: ...
+    def url(self, name: str = "") -> str: ...
+
+
+class Watchdog:
+    """`with Watchdog(...) as watchdog:` around training, on every process; `watchdog.mark()` at each micro-batch.
+    `folder`: where this process writes its files; `shared`: where the processes meet when that folder is its own."""
+
+    def __init__(self, accelerator, train, progress, folder: Path, signals, shared: Shared | None = None) -> None:
         self.accelerator, self.progress, self.folder, self.signals = accelerator, progress, Path(folder), signals
+        self.shared = shared
+        # the folder of the stacks as the line names it: where every process's are
+        self.shown = shared.url() + "/" if shared is not None else f"{self.folder}{os.sep}"
         self.bound = stuck_after_s(train)
         # The main process waits for the others' records at most this long: its report, and the others' exits,
         # come before the collective timeout ends the processes that wait.
@@ -214,13 +229,13 @@ class Watchdog:
         record = self._record(process)
         if process == 0:
             records = self._collect(record)
-            line = describe(records, self.hosts, self.bound, self.folder)
+            line = describe(records, self.hosts, self.bound, self.shown)
             say(f"accel-train: {Stuck(line)}", error=True, nolock=True)
             self._write(self.folder / STUCK_REPORT_FILE, {"attempt": self.attempt, "line": line})
         elif not self._reported():
             say(f"accel-train: process {process}: {where(record)}; no progress for more than {self.bound:g} s "
                 f"(train.stuck_after_s) and the main process did not report; stacks in "
-                f"{self.folder / record['stacks']}", error=True, nolock=True)
+                f"{self.shown}{record['stacks']}", error=True, nolock=True)
         if hooks.every().process_ends(Stuck.exit_code):
             end_process(Stuck.exit_code)
 
@@ -249,6 +264,8 @@ class Watchdog:
                     stacks.write(f"\nDataLoader worker {pid} of process {process}:\n\n{text}")
         except OSError as err:
             record["stacks"] = f"not written: {err}"
+        else:
+            self._publish(self.folder / record["stacks"])
         self._write(self.folder / STUCK_RECORD_FILE.format(process=process), record)
         return record
 
@@ -259,12 +276,21 @@ class Watchdog:
             partial.write_text(json.dumps(content))
             os.replace(partial, path)
         except OSError:
-            pass  # the line says what it can; a folder that cannot be written is no reason not to end
+            return  # the line says what it can; a folder that cannot be written is no reason not to end
+        self._publish(path)
+
+    def _publish(self, path: Path) -> None:
+        """A file written into this process's folder, where the others read it too (the store, whole or not at all)."""
+        if self.shared is not None:
+            try:
+                self.shared.put(path, path.name)
+            except Exception:  # a store that is down is no reason not to end either; the line names who did not answer
+                pass
 
     def _read(self, path: Path) -> dict | None:
         try:
-            content = json.loads(path.read_text())
-        except (OSError, ValueError):
+            content = json.loads(self.shared.read(path.name) if self.shared is not None else path.read_text())
+        except Exception:  # not there (yet), half a file, or a store that does not answer: read again, or go without
             return None
         return content if content.get("attempt") == self.attempt else None
 
@@ -342,7 +368,7 @@ def processes(numbers: list[int]) -> str:
     return f"process {listed[0]}" if len(listed) == 1 else f"processes {', '.join(listed[:-1])} and {listed[-1]}"
 
 
-def describe(records: dict[int, dict], hosts: list[str], bound: float, folder: Path) -> str:
+def describe(records: dict[int, dict], hosts: list[str], bound: float, folder: str) -> str:
     """The one line: who stopped (not in a collective), where and on which host; who did not answer; who waited."""
     several = len(hosts) > 1
     waiting = [p for p in sorted(records) if several and records[p]["waiting"]]
@@ -361,5 +387,5 @@ def describe(records: dict[int, dict], hosts: list[str], bound: float, folder: P
                      + ", ".join(f"process {p} in {where(records[p])}" for p in waiting))
     stacks = [records[p]["stacks"] for p in sorted(records) if not records[p]["stacks"].startswith("not written")]
     listed = ", ".join(stacks) if len(stacks) <= 4 else f"{len(stacks)} files, process-P.txt"
-    return (f"{'; '.join(parts)}; no progress for more than {bound:g} s (train.stuck_after_s); stacks in {folder}"
-            f"{os.sep} ({listed or 'none written'}); if that was slow rather than stuck, raise train.stuck_after_s")
+    return (f"{'; '.join(parts)}; no progress for more than {bound:g} s (train.stuck_after_s); stacks in {folder} "
+            f"({listed or 'none written'}); if that was slow rather than stuck, raise train.stuck_after_s")

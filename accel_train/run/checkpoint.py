@@ -483,19 +483,30 @@ class Checkpoints:
                            saved_world_size=meta["world_size"])
 
     def _fetch(self, folder: Path, meta: dict) -> str | None:
-        """A committed checkpoint's objects from the store into staging, each checked against its manifest's size
-        and sha256; what is wrong, or None."""
+        """A committed checkpoint's objects from the store into staging, once per machine: the machine's first
+        process downloads them into a folder its processes share, and each process links them into its own staging
+        (a hard link, else a copy). What is wrong, or None."""
+        accelerator, fetched = self.accelerator, self.mirror.fetched / folder.name
+        trouble = self._download(fetched, folder.name, meta) if accelerator.is_local_main_process else None
+        accelerator.wait_for_everyone()
+        if trouble is None:
+            trouble = _linked(fetched, folder, meta)
+        accelerator.wait_for_everyone()
+        if accelerator.is_local_main_process:
+            shutil.rmtree(fetched, ignore_errors=True)
+        return trouble
+
+    def _download(self, into: Path, name: str, meta: dict) -> str | None:
+        """Each object of checkpoint `name`, checked against its manifest's size and sha256; what is wrong, or None."""
         hashes = meta.get("sha256") or {}
-        for name, size in meta["files"].items():
-            path = folder / name
-            if path.is_file() and path.stat().st_size == size and sha256_of(path) == hashes.get(name):
-                continue
+        for file, size in meta["files"].items():
+            path = into / file
             try:
-                self.mirror.store.get(f"{CHECKPOINTS_DIR}/{folder.name}/{name}", path)
+                self.mirror.store.get(f"{CHECKPOINTS_DIR}/{name}/{file}", path)
             except FileNotFoundError:
-                return f"{name} is missing in the store"
-            if path.stat().st_size != size or sha256_of(path) != hashes.get(name):
-                return f"{name} in the store is not the one its manifest describes (size or sha256)"
+                return f"{file} is missing in the store"
+            if path.stat().st_size != size or sha256_of(path) != hashes.get(file):
+                return f"{file} in the store is not the one its manifest describes (size or sha256)"
         return None
 
     def _merged_loop_states(self, folder: Path, meta: dict) -> dict:
@@ -614,6 +625,21 @@ def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator
     if changed:
         warn(accelerator, f"resuming {folder}: the LR schedule continues as saved there, ignoring "
                            f"{', '.join(changed)}")
+
+
+def _linked(fetched: Path, folder: Path, meta: dict) -> str | None:
+    """The files this machine's first process fetched (`fetched`), in `folder`; what is wrong, or None."""
+    for name in meta["files"]:
+        source, path = fetched / name, folder / name
+        if not source.is_file():
+            return f"{name} was not fetched from the store (by the first process on this machine)"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        try:
+            os.link(source, path)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(source, path)
+    return None
 
 
 def _damage(folder: Path, meta: dict) -> str | None:

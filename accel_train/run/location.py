@@ -115,11 +115,17 @@ class Mirror:
 
     def __init__(self, url: str, patience_s: float, whole: bool = False, ignore: tuple[str, ...] = ()) -> None:
         self.url, self.staging, self.whole, self.ignore = url.rstrip("/"), local_dir(url), whole, ignore
+        self.fetched = _staging_of(url) / "fetched"  # a resumed checkpoint's objects, downloaded once per machine
         self.store = Store(self.url, "output_dir", patience_s)
         self.worker = Worker("accel-train upload")
         self.sent: dict[str, tuple[int, int]] = {}  # staged file -> (size, mtime) of what the store has
         self.partial_checkpoints: list[str] = []
         self.last_sync, self.sync_pending, self.warned = 0.0, False, False
+
+    def store_of(self, folder: str) -> Store:
+        """A folder of the run in the store, reached directly (the watchdog's stuck/: where processes that share no
+        disk meet)."""
+        return Store(f"{self.url}/{folder}", "output_dir", self.store.patience_s)
 
     def pull(self) -> None:
         """Staging as the store has the run: its files and trackers, and each committed checkpoint's manifest."""

@@ -32,12 +32,12 @@ from accel_train.distributed.accelerator import (
 from accel_train.distributed.devices import set_numerics
 from accel_train.distributed.environment import launcher_environment
 from accel_train.distributed.signals import StopSignals
-from accel_train.distributed.watchdog import Watchdog
+from accel_train.distributed.watchdog import STUCK_DIR, Watchdog
 from accel_train.run.checkpoint import Checkpoints
 from accel_train.run.display import Console
 from accel_train.run.folder import RunFolder
 from accel_train.run.layout import stuck_dir, trackers_dir
-from accel_train.run.location import local_dir
+from accel_train.run.location import local_dir, mirror_of
 from accel_train.run.tracking import Trackers
 from accel_train.run.weights import initial_weights
 from accel_train.state import Observers, Progress, ResumePoint, State
@@ -179,7 +179,9 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
         warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
                           "no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
                           "validation split")
-    watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(local_dir(config.output_dir)), signals)
+    mirror = mirror_of(config.output_dir)  # a run folder in a store: the processes meet in its stuck/, not on a disk
+    watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(local_dir(config.output_dir)), signals,
+                        mirror.store_of(STUCK_DIR) if mirror is not None else None)
     batches = TrainingBatches(accelerator, train_loader, task, config.seed, accumulation, progress, start,
                               meter.timed, watchdog.mark, train_data.finish)
     step = AdaptiveStep(accelerator, task, micro_batch_size, observers, state) if adapts \

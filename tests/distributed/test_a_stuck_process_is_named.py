@@ -127,6 +127,25 @@ def test_a_dataloader_worker_blocked_in_getitem_is_named_its_stacks_written_and_
     assert not running(worker), f"DataLoader worker {worker} still runs after its job ended"
 
 
+def test_a_blocked_worker_of_a_run_in_a_bucket_is_named_and_its_stacks_reach_the_bucket(object_store, tmp_path):
+    # Each process stages the run in a folder of its own: the processes share no disk, and meet in the store's stuck/.
+    url, note, log = object_store.url("runs/stuck"), tmp_path / "blocked", tmp_path / "log"
+    job = start_launch(2, *STUCK_RUN, f"data.args.block=1@{CALL}", f"data.args.note={note}",
+                       f"train.stuck_after_s={BOUND_S}", "train.collective_timeout_s=60", f"output_dir={url}",
+                       log=log, env={"ACCEL_TRAIN_STAGING": str(tmp_path / "staging")})
+    wait_for(lambda: reports(log), job, log, timeout=240)
+    line = reports(log)[0]
+    assert line.startswith(f"accel-train: process 1 on {socket.gethostname()} stopped in training step "), line
+    assert "in __getitem__ (tests/user_code/user_models.py:" in line and "process 0 waited for it" in line, line
+    assert f"stacks in {url}/stuck/ (process-0.txt, process-1.txt)" in line, line
+    assert job.wait(timeout=BOUND_S + SLACK_S + 30) != 0
+    assert log.read_text().count("exitcode  : 6") == 2, log.read_text()[-3000:]
+    stacks = object_store.fs().cat_file(f"{url}/stuck/process-1.txt").decode()
+    assert re.search(r'File ".*user_models\.py", line \d+ in __getitem__', stacks), stacks
+    record = json.loads(object_store.fs().cat_file(f"{url}/stuck/process-1.json"))
+    assert (record["process"], record["function"], record["waiting"]) == (1, "__getitem__", False)
+
+
 class Paced(torch.utils.data.Dataset):
     """Random samples, each served after `pause(call)` seconds (its call counted from 1), or blocked at `block_at`
     until `released` (20 s at most: a test that fails does not hang)."""
@@ -226,11 +245,11 @@ def test_the_line_names_processes_that_did_not_answer_and_waits_at_different_col
                 "waiting": waiting, "stacks": f"process-{process}.txt"}
 
     hosts = ["a", "a", "b"]
-    silent = watchdog.describe({0: record(0, True, "all_reduce")}, hosts, 5, tmp_path)
+    silent = watchdog.describe({0: record(0, True, "all_reduce")}, hosts, 5, f"{tmp_path}/")
     assert silent.startswith("processes 1 and 2 on a, b did not answer (dead, frozen, or in a C call that never lets "
                              "go of Python's lock); process 0 waited for them in a collective; no progress for more "
                              "than 5 s (train.stuck_after_s)"), silent
-    every = watchdog.describe({p: record(p, True, "all_reduce") for p in range(3)}, hosts, 5, tmp_path)
+    every = watchdog.describe({p: record(p, True, "all_reduce") for p in range(3)}, hosts, 5, f"{tmp_path}/")
     assert every.startswith("every process waits in a collective, none stopped elsewhere"), every
 
 

@@ -69,7 +69,7 @@ def reference(tmp_path_factory):
     return out
 
 
-def test_a_run_in_a_bucket_stopped_by_sigterm_mid_epoch_resumes_on_another_machine_as_if_never_stopped(
+def test_a_run_in_a_bucket_stopped_by_sigterm_mid_epoch_resumes_on_another_machine_as_if_never_stopped_reading_its_checkpoint_once(  # noqa: E501
         reference, object_store, tmp_path):
     url = object_store.url("runs/stopped")
     log = tmp_path / "stopped.log"
@@ -86,12 +86,36 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_mid_epoch_resumes_on_another_machi
                      r"\d+\.\d\d s, uploaded in \d+\.\d\d s \(\d+\.\d MiB\)", stopped), stopped[-3000:]
     assert not list((tmp_path / "a").rglob("*.json")), "the stopped machine's staging is left behind"
 
+    checkpoint = f"{url}/checkpoints/step-0000000{STOP_STEP}"
+    files = json.loads(object_store.fs().cat_file(f"{checkpoint}/checkpoint.json"))["files"]
+    object_store.proxy.reset_counts()
     resumed = launch(2, *RUN, f"output_dir={url}", "resume=auto", env=machine(tmp_path, "b"))
-    assert f"resuming from {url}/checkpoints/step-0000000{STOP_STEP}: step {STOP_STEP}, epoch 0" in resumed.stdout
+    assert f"resuming from {checkpoint}: step {STOP_STEP}, epoch 0" in resumed.stdout
+    # its 2 processes on one machine: each object downloaded once, by one of them, for both
+    read = object_store.proxy.bytes_read_by_object(checkpoint)
+    assert {name: read.get(f"{checkpoint[5:]}/{name}") for name in files} == files, read
     run = download(object_store, url, tmp_path / "downloaded")
     assert_same_run(run, reference, WEIGHTS)  # metrics.jsonl line for line, the weights bit for bit
     assert [start["step"] for start in read_starts(run)] == [0, STOP_STEP]
     assert not list((tmp_path / "b").rglob("*.json")), "the finished run's staging is left behind"
+
+
+@pytest.mark.parametrize("where", ["bucket", "local folder"])
+def test_sigterm_stops_a_run_of_2_processes_at_the_step_after_the_one_it_came_in_saving_it(where, object_store,
+                                                                                            tmp_path):
+    # Process 0 signals itself during step 5, between evaluations (every 7 steps) and saves (every 4): the processes
+    # agree at step 6, whatever the run folder (a bucket's saves are slower, which must not delay the stop).
+    out = object_store.url("runs/signalled") if where == "bucket" else str(tmp_path / "run")
+    result = launch(2, *RUN, f"output_dir={out}", script=PROBE, env={**machine(tmp_path, "a"), "PROBE_SIGTERM_AT": "5"},
+                    check=False)
+    text = result.stdout + result.stderr
+    assert "SIGTERM received by process 0" in text and "exitcode: 75" in text, text[-3000:]  # each worker's exit
+    assert f"stopped by SIGTERM at step 6; checkpoint saved in {out}/checkpoints/step-00000006" in text, text[-3000:]
+    if where == "bucket":
+        assert checkpoint_names(object_store, out) == ["step-00000004", "step-00000006"]
+        assert not list((tmp_path / "a").rglob("*.json")), "the stopped run's staging is left behind"
+    else:
+        assert sorted(path.name for path in (Path(out) / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
 
 
 @pytest.fixture

@@ -226,11 +226,11 @@ class NoProcessGroup(hooks.Hooks):
 
 
 class SignalsAt(hooks.Hooks):
-    """Process 0 sends itself SIGTERM during optimizer step `step`, then SIGINT (a second signal, as a launcher
-    forwarding Ctrl-C again) as soon as the checkpoint that the first one asked for starts."""
+    """Process 0 sends itself SIGTERM during optimizer step `step`, then (`second`) SIGINT, as a launcher forwarding
+    Ctrl-C again, as soon as the checkpoint that the first one asked for starts."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.steps, self.signalled = step, 0, False
+    def __init__(self, step: int, second: bool = True) -> None:
+        self.step, self.steps, self.signalled, self.second = step, 0, False, second
 
     def optimizer_stepped(self, progress, terms, skipped, lr):
         self.steps += 1
@@ -239,7 +239,7 @@ class SignalsAt(hooks.Hooks):
             os.kill(os.getpid(), signal.SIGTERM)
 
     def checkpoint_saving(self, progress):
-        if self.signalled:
+        if self.signalled and self.second:
             os.kill(os.getpid(), signal.SIGINT)
 
 

@@ -13,7 +13,6 @@ import torch
 from accel_train import hooks
 from accel_train.config import load_config
 from accel_train.data.in_memory import PerSampleImages
-from accel_train.distributed.signals import MAX_STEPS_BETWEEN_CHECKS, steps_between_checks
 from accel_train.run.checkpoint import Checkpoints, resume_position
 from accel_train.run.folder import lines_up_to
 from accel_train.state import Progress, ResumePoint
@@ -145,14 +144,6 @@ def test_a_resumed_metrics_file_keeps_the_lines_its_checkpoint_had_seen():
     assert lines_up_to(cut_short, ResumePoint(step=30)) == written[:2]
     no_newline = written[0].rstrip("\n")
     assert lines_up_to([no_newline], ResumePoint(step=30)) == [written[0]]
-
-
-def test_processes_agree_on_a_stop_signal_about_every_two_seconds_of_steps():
-    assert steps_between_checks(0.0) == 1  # no timing yet: agree again at the next step
-    assert steps_between_checks(0.5) == 4
-    assert steps_between_checks(0.01) == 200
-    assert steps_between_checks(30.0) == 1  # a slow step is never skipped over
-    assert steps_between_checks(1e-9) == MAX_STEPS_BETWEEN_CHECKS
 
 
 def test_the_train_meter_state_round_trips_bit_for_bit():
