@@ -34,7 +34,7 @@ from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint import check_resume, read_meta
 from accel_train.run.folder import check_output_dir, refusals_leave_no_folder
 from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
-from accel_train.run.location import open_run, readable_run
+from accel_train.run.location import RunPlace, readable_run
 from accel_train.run.tracking import tracker_names
 from accel_train.storage import check_url_form, is_remote
 from accel_train.versions import check_versions
@@ -64,28 +64,30 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
         raise UserError("train_dataset and eval_dataset: give both, or neither (the recipe's data.name is used)")
-    with refusals_leave_no_folder(config):
-        task, trackers = check_training(config, task)
+    place = RunPlace(config.output_dir)  # where the run folder lives: made once, handed to whoever needs it
+    with refusals_leave_no_folder(place):
+        task, trackers = check_training(config, place, task)
         from accel_train.training import loop
 
-        return loop.train(config, task, trackers, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset)
+        return loop.train(config, task, trackers, place, model=model, train_dataset=train_dataset,
+                          eval_dataset=eval_dataset)
 
 
-def check_training(config: Config, task: Task | None = None) -> tuple[Task, list[str]]:
+def check_training(config: Config, place: RunPlace, task: Task | None = None) -> tuple[Task, list[str]]:
     """Every check before training, once: first those that need no torch (trackers, the run folder, the checkpoint
     to resume), so a mistake there answers at once; then the task's (the task `config.task` names when none is
-    given). Returns the task and Accelerate's tracker names."""
+    given). Opens `place` (the run folder's, at output_dir). Returns the task and Accelerate's tracker names."""
     for key, location in (("output_dir", config.output_dir), ("data.root", config.data.root),
                           ("model.init_from", config.model.init_from)):
         check_url_form(location, key)  # s3:/bucket would become a local folder named "s3:"
     trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
-    open_run(config.output_dir, config.data.store_patience_s)  # a URL: the store checked, staging pulled from it
-    check_resume(config)  # before the folder is made
+    place.open(config.data.store_patience_s)  # a URL: the store checked, staging pulled from it
+    check_resume(config, place)  # before the folder is made
     if config.model.init_from:
         from accel_train.run.weights import weights_file
 
         weights_file(config.model.init_from, "model.init_from")
-    check_output_dir(config)
+    check_output_dir(config, place)
     from accel_train.workloads.tasks import task_named
     from accel_train.workloads.tasks.base import check_mixing, check_selection_metrics
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -89,7 +88,8 @@ class State:
     restart: tuple[int, int]  # (restarts by the launcher so far, restarts allowed)
     data: Any  # the training Data: its classes, and what feeds it faster (slow_input_advice)
     trackers: tuple[str, ...]  # Accelerate's tracker names the run logs to
-    folder: Path  # where the run's files are written: output_dir, or this process's staging of a URL (run.location)
+    place: Any  # run.location.RunPlace: where the run's files are written (.folder: output_dir, or this process's
+    # staging folder of a URL) and how a store gets them
 
 
 class Observer:

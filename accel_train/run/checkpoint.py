@@ -56,7 +56,7 @@ from accel_train.run.layout import (
     checkpoints_dir,
     usual_permissions,
 )
-from accel_train.run.location import Worker, local_dir, mirror_of, sha256_of
+from accel_train.run.location import RunPlace, Worker, sha256_of
 from accel_train.run.weights import shape_mismatch
 from accel_train.state import Progress, ResumePoint
 from accel_train.storage import StoreUnavailable, is_remote, join
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from accel_train.config import CheckpointConfig, Config
-    from accel_train.run.snapshot import Snapshot
+    from accel_train.run.snapshot import Prepared, Snapshot
 
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
@@ -138,13 +138,16 @@ def resume_position(meta: dict) -> tuple[int, int]:
 class Checkpoints:
     """When to save (the loop asks), saving (collectively, on every process), pruning, and resuming `states`."""
 
-    def __init__(self, config: Config, accelerator: Accelerator, states: dict[str, Stateful] | None = None) -> None:
+    def __init__(self, config: Config, accelerator: Accelerator, place: RunPlace,
+                 states: dict[str, Stateful] | None = None, prepared: Prepared | None = None) -> None:
+        """`place`: where the run folder lives; `prepared`: what the run prepared with Accelerate (run/snapshot.py);
+        None: save_state writes each save while training waits."""
         import torch
 
         self.config, self.accelerator = config, accelerator
         self.cfg: CheckpointConfig = config.checkpoint
-        self.mirror = mirror_of(config.output_dir)  # None: a local output_dir
-        self.directory = checkpoints_dir(local_dir(config.output_dir))
+        self.place, self.mirror = place, place.mirror  # mirror None: a local output_dir
+        self.directory = checkpoints_dir(place.folder)
         self.worker = self.mirror.worker if self.mirror is not None else Worker("accel-train checkpoint")
         self.done = "uploaded" if self.mirror is not None else "written"  # what the background does, as lines say it
         from accel_train.run.snapshot import Snapshots  # torch: not before the checks that need none
@@ -154,9 +157,12 @@ class Checkpoints:
         self.overdue: list[UnderWay] = []  # saves that wait gave up on, oldest first: still under way, or not yet said
         self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
         states = states or {}
+        self.prepared = prepared
         for part in states.values():
             if isinstance(part, torch.nn.Module):  # before load_state: a resume restores it
                 accelerator.register_for_checkpointing(part)
+                if prepared is not None:
+                    prepared.custom.append(part)
         self.states = {name: part for name, part in states.items() if not isinstance(part, torch.nn.Module)}
 
     def __enter__(self) -> Checkpoints:
@@ -215,7 +221,7 @@ class Checkpoints:
                     if stale.name not in under_way:  # left by a save that a crash cut short
                         shutil.rmtree(stale, ignore_errors=True)
             accelerator.wait_for_everyone()
-            snapshot = self.snapshots.take(accelerator)
+            snapshot = self.snapshots.take(accelerator, self.prepared) if self.prepared is not None else None
             if snapshot is None:
                 accelerator.save_state(str(partial))
         blocked = time.perf_counter() - began
@@ -434,7 +440,7 @@ class Checkpoints:
                 accelerator.print(f"resume=auto: no checkpoint in {self.where(directory)}; starting from step 0")
                 return ResumePoint()
         else:  # check_resume made sure, before any data loaded, that it is a checkpoint of this run
-            candidates = [(resume_folder(config), read_meta(resume_folder(config)))]
+            candidates = [(resume_folder(config, self.place), read_meta(resume_folder(config, self.place)))]
         for folder, meta in reversed(candidates):
             if folder != candidates[-1][0]:  # the newest was checked before any data loaded (check_resume)
                 _refuse_other_identity(folder, meta, config)
@@ -524,17 +530,17 @@ class Checkpoints:
         return merged
 
 
-def check_resume(config: Config) -> None:
+def check_resume(config: Config, place: RunPlace) -> None:
     """Before any data is loaded: `resume=PATH` is a checkpoint, and the checkpoint to resume is this run's."""
     if config.resume is None:
         return
-    own = checkpoints_dir(local_dir(config.output_dir))
+    own = checkpoints_dir(place.folder)
     if config.resume == "auto":
         found = list_checkpoints(own)
         if found:
             _refuse_other_identity(*found[-1], config)
         return
-    folder = resume_folder(config)
+    folder = resume_folder(config, place)
     meta = read_meta(folder)
     if meta is None:
         raise UserError(f"resume={config.resume}: not a checkpoint (no readable {CHECKPOINT_META_FILE}); pass a folder "
@@ -547,14 +553,14 @@ def check_resume(config: Config) -> None:
                         f"give model.init_from={config.resume} instead")
 
 
-def resume_folder(config: Config) -> Path:
+def resume_folder(config: Config, place: RunPlace) -> Path:
     """The folder `resume=PATH` names; for a run folder in a store, a checkpoint URL under output_dir is its staged
     copy (whose manifest the start pulled)."""
     if not is_remote(config.resume):
         return Path(config.resume)
     prefix = join(config.output_dir, CHECKPOINTS_DIR) + "/"
     if is_remote(config.output_dir) and config.resume.startswith(prefix):
-        return checkpoints_dir(local_dir(config.output_dir)) / config.resume[len(prefix):].strip("/")
+        return checkpoints_dir(place.folder) / config.resume[len(prefix):].strip("/")
     raise UserError(f"resume={config.resume} is not a checkpoint of output_dir={config.output_dir}: resume continues "
                     f"output_dir's own run (resume=auto, or {prefix}step-N); to start a new run from its weights, "
                     f"give model.init_from=... instead")

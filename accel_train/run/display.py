@@ -8,7 +8,6 @@ import time
 from accel_train.console import say
 from accel_train.data import slow_input_advice
 from accel_train.run.layout import TRACKERS_DIR, results_of
-from accel_train.run.location import local_dir
 from accel_train.run.summaries import duration, ran_out, summarize
 from accel_train.state import Observer, Progress, State, across_world_sizes
 from accel_train.storage import join
@@ -80,7 +79,7 @@ class Console(Observer):
 
     def on_train_end(self, state: State) -> None:
         self.close()
-        print(summary_block({**summarize(local_dir(state.config.output_dir)), "folder": state.config.output_dir},
+        print(summary_block({**summarize(state.place.folder), "folder": state.config.output_dir},
                             results(state), watch(state)), flush=True)
 
     def close(self) -> None:
@@ -107,7 +106,7 @@ def results(state: State) -> list[str]:
                         curves=config.train.plot, classes=state.data.classes is not None,
                         checkpoints=bool(config.checkpoint.at_epoch_end or config.checkpoint.every_steps),
                         tracking=bool(state.trackers))
-    return [name for name in listed if (local_dir(config.output_dir) / name.rstrip("/")).exists()]
+    return [name for name in listed if (state.place.folder / name.rstrip("/")).exists()]
 
 
 def watch(state: State) -> str | None:

@@ -25,16 +25,16 @@ from accel_train.run.layout import (
     checkpoints_dir,
     held_results,
 )
-from accel_train.run.location import local_dir, mirror_of
+from accel_train.run.location import RunPlace
 from accel_train.state import Observer, Progress, ResumePoint, State
 
 
 @contextmanager
-def refusals_leave_no_folder(config: Config):
+def refusals_leave_no_folder(place: RunPlace):
     """A run refused before it wrote anything (weights that do not fit, a loader setting refused once the data is
     known) leaves no empty output_dir behind: the folders made for it are removed again where still empty (rmdir
     removes nothing else), deepest first."""
-    folder = local_dir(config.output_dir)
+    folder = place.folder
     made = [path for path in takewhile(lambda path: not path.exists(), [folder, *folder.parents])]
     try:
         yield
@@ -47,10 +47,10 @@ def refusals_leave_no_folder(config: Config):
         raise
 
 
-def check_output_dir(config: Config) -> None:
+def check_output_dir(config: Config, place: RunPlace) -> None:
     """Before any data loads: output_dir is a folder this process can write, and a run's results already there
     are continued (resume=auto), never silently overwritten (HF Trainer refuses a non-empty output_dir too)."""
-    folder = local_dir(config.output_dir)  # for a URL, this process's staging folder, pulled from the store
+    folder = place.folder  # for a URL, this process's staging folder, pulled from the store
     if folder.exists() and not folder.is_dir():
         raise UserError(f"output_dir={config.output_dir} is a file, not a folder; pass a folder for the run's results")
     unwritable = "choose an output_dir you can write"
@@ -62,8 +62,8 @@ def check_output_dir(config: Config) -> None:
         raise storage_error(folder, "creating output_dir", err, unwritable) from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise storage_error(folder, "creating output_dir", PermissionError(13, "Permission denied"), unwritable)
-    continues = config.resume == "auto" or (
-        config.resume is not None and resume_folder(config).resolve().parent == checkpoints_dir(folder).resolve())
+    continues = config.resume == "auto" or (config.resume is not None and resume_folder(
+        config, place).resolve().parent == checkpoints_dir(folder).resolve())
     held = held_results(folder)
     if held and not continues:
         how = "add resume=auto to continue it" if config.resume is None else \
@@ -115,7 +115,7 @@ class RunFolder(Observer):
 
     def on_train_start(self, state: State) -> None:
         config, start = state.config, state.start
-        self.folder, self.mirror = local_dir(config.output_dir), mirror_of(config.output_dir)
+        self.folder, self.place = state.place.folder, state.place
         path = self.folder / METRICS_FILE
         started, host = now(), socket.gethostname()
         with writing(self.folder, "writing config.yaml and metrics.jsonl"):
@@ -168,8 +168,7 @@ class RunFolder(Observer):
 
     def _sync(self) -> None:
         """A run folder in a store gets the new lines within SYNC_EVERY_S (and before each checkpoint commits)."""
-        if self.mirror is not None:
-            self.mirror.sync_soon()
+        self.place.sync_soon()
 
 
 def micro_batch_size(config: Config, world_size: int) -> int:

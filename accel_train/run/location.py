@@ -199,34 +199,59 @@ class Mirror:
             say(f"accel-train: warning: {text}", error=True)
 
 
-_mirrors: dict[str, Mirror] = {}
+class RunPlace:
+    """Where a run folder's bytes live, made once from output_dir and handed to whoever reads or writes them
+    (the checks, Checkpoints, the run folder's files, the watchdog, model selection, the end of training): `folder`,
+    where this process writes the run (output_dir itself, or for a URL its staging folder), and for a URL, once
+    `open`, the Mirror that brings it to the store. Nothing here is global: two runs in one process have one each."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.output_dir = str(output_dir)
+        self.folder = local_dir(self.output_dir)
+        self.mirror: Mirror | None = None
+
+    def open(self, patience_s: float) -> RunPlace:
+        """Before anything reads the run folder: for a URL, the store is checked (credentials, bucket: one line,
+        exit 2) and this process's staging folder pulled from it."""
+        if is_remote(self.output_dir) and self.mirror is None:
+            check_location(self.output_dir, "output_dir")
+            mirror = Mirror(self.output_dir, patience_s)
+            mirror.store.names()  # access problems answer here, before any data loads
+            mirror.pull()
+            self.mirror = mirror
+        return self
+
+    @property
+    def shared(self) -> bool:
+        """Whether every process writes into one folder (a local output_dir, on a disk the machines share); in a
+        store each process has a staging folder of its own."""
+        return self.mirror is None
+
+    def shown(self, path: Path) -> str:
+        """A path under `folder` as the user knows it: under the run's URL for a run folder in a store."""
+        if self.mirror is None:
+            return str(path)
+        relative = path.relative_to(self.folder).as_posix()
+        return self.mirror.url if relative == "." else f"{self.mirror.url}/{relative}"
+
+    def sync_soon(self) -> None:
+        """New lines of the run's files reach the store within SYNC_EVERY_S (nothing to do for a local folder)."""
+        if self.mirror is not None:
+            self.mirror.sync_soon()
 
 
-def open_run(output_dir: str, patience_s: float) -> None:
-    """Before anything reads the run folder: for a URL, the store is checked (credentials, bucket: one line, exit 2)
-    and this process's staging folder pulled from it."""
-    if not is_remote(output_dir):
-        return
-    check_location(output_dir, "output_dir")
-    mirror = Mirror(output_dir, patience_s)
-    mirror.store.names()  # access problems answer here, before any data loads
-    mirror.pull()
-    _mirrors[output_dir.rstrip("/")] = mirror
+def open_run(output_dir: str, patience_s: float) -> RunPlace:
+    """The place of the run at output_dir, opened (RunPlace.open)."""
+    return RunPlace(output_dir).open(patience_s)
 
 
 def open_folder(url: str, patience_s: float, ignore: tuple[str, ...] = ()) -> Mirror:
-    """A folder at a URL mirrored whole into this machine's staging (a sweep's): checked, pulled, and registered."""
+    """A folder at a URL mirrored whole into this machine's staging (a sweep's): checked and pulled."""
     check_location(url, "output_dir")
     mirror = Mirror(url, patience_s, whole=True, ignore=ignore)
     mirror.store.names()  # access problems answer here
     mirror.pull()
-    _mirrors[url.rstrip("/")] = mirror
     return mirror
-
-
-def mirror_of(output_dir: str | Path) -> Mirror | None:
-    """The Mirror this process opened for output_dir; None for a local folder."""
-    return _mirrors.get(str(output_dir).rstrip("/")) if is_remote(str(output_dir)) else None
 
 
 def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:

@@ -9,6 +9,10 @@ save_state writes, by the same names and serializers, so accelerator.load_state 
 cannot copy the same way (FSDP, DeepSpeed, a loader whose sampler Accelerate saves, a device other than CPU or CUDA)
 is saved by save_state itself.
 
+What save_state saves is what the run prepared and registered: the run says so (`Prepared`), in the order it
+prepared them (save_state numbers the files so), rather than this module reading Accelerate's private lists, which
+any release may rename. tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py holds the two to the same files.
+
 No buffer is copied into while a write may still read it, or a checkpoint could mix two steps. A save normally finds
 the previous write done and reuses its buffers; when that write outlasted checkpoint.upload_wait_s and training went
 on, the save takes a second set. When both are still held (the writer is stuck: a third copy would only queue behind
@@ -21,8 +25,8 @@ from __future__ import annotations
 import copy
 import queue
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +43,17 @@ from accelerate.utils import (
 from accelerate.utils import save as accelerate_save
 
 BUFFER_SETS = 2  # one for the write under way, one for the save after it (module docstring)
+
+
+@dataclass
+class Prepared:
+    """What accelerator.save_state saves of a run: each kind in the order the run prepared (or registered) it."""
+
+    models: Sequence[torch.nn.Module]
+    optimizers: Sequence[torch.optim.Optimizer] = ()
+    schedulers: Sequence[object] = ()
+    loaders: Sequence[object] = ()  # prepared DataLoaders: save_state saves the state of some (see _copyable)
+    custom: Sequence[object] = field(default_factory=list)  # accelerator.register_for_checkpointing's parts
 
 
 @dataclass
@@ -63,26 +78,28 @@ class Snapshots:
         """Whether `take` has buffers that no write reads any more."""
         return not self.free_sets.empty()
 
-    def take(self, accelerator: Accelerator) -> Snapshot | None:
-        """This process's files as save_state would write them now (once `free`); None when save_state must write
-        them itself."""
-        if not _copyable(accelerator):
+    def take(self, accelerator: Accelerator, prepared: Prepared) -> Snapshot | None:
+        """This process's files as save_state would write them now (once `free`), of what the run `prepared`; None
+        when save_state must write them itself."""
+        if not _copyable(accelerator, prepared):
             return None
         buffers = self.free_sets.get_nowait()
         files: dict[str, tuple[object, bool]] = {}
         if accelerator.is_main_process:  # accelerate's save() writes these on the main process only
-            for index, model in enumerate(accelerator._models):
-                state = accelerator.get_state_dict(model, unwrap=False)
+            for index, model in enumerate(prepared.models):
+                # save_state saves the model as prepare found it, inside DDP's wrapper (no "module." in its names)
+                state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_fp32_wrapper=True,
+                                                                            keep_torch_compile=True), unwrap=False)
                 files[_numbered(SAFE_WEIGHTS_NAME, index)] = (_copy(buffers, f"model{index}", dict(state)), True)
-            for index, optimizer in enumerate(accelerator._optimizers):
+            for index, optimizer in enumerate(prepared.optimizers):
                 files[_numbered(f"{OPTIMIZER_NAME}.bin", index)] = (_copy(buffers, f"opt{index}",
                                                                            optimizer.state_dict()), False)
-            for index, scheduler in enumerate(accelerator._schedulers):
+            for index, scheduler in enumerate(prepared.schedulers):
                 files[_numbered(f"{SCHEDULER_NAME}.bin", index)] = (_copy(buffers, f"lr{index}",
                                                                            scheduler.state_dict()), False)
             if accelerator.scaler is not None:
                 files[SCALER_NAME] = (_copy(buffers, "scaler", accelerator.scaler.state_dict()), False)
-            for index, part in enumerate(accelerator._custom_objects):
+            for index, part in enumerate(prepared.custom):
                 files[f"custom_checkpoint_{index}.pkl"] = (_copy(buffers, f"custom{index}", part.state_dict()), False)
         rng = {"step": accelerator.step, "random_state": random.getstate(),
                "numpy_random_seed": np.random.get_state(), "torch_manual_seed": torch.get_rng_state()}
@@ -129,13 +146,13 @@ def _copy(buffers: dict[str, torch.Tensor], key: str, value):
     return copy.deepcopy(value)  # numbers and strings as they are; any other object as it is now
 
 
-def _copyable(accelerator: Accelerator) -> bool:
+def _copyable(accelerator: Accelerator, prepared: Prepared) -> bool:
     from accelerate.data_loader import IterableDatasetShard
 
     plain = accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
     saved_loaders = any(isinstance(loader.dataset, IterableDatasetShard) or getattr(loader, "use_stateful_dataloader",
                                                                                      False)
-                        for loader in accelerator._dataloaders)
+                        for loader in prepared.loaders)
     return plain and accelerator.device.type in ("cpu", "cuda") and not saved_loaders
 
 

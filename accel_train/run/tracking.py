@@ -15,7 +15,6 @@ from pathlib import Path
 from accel_train.config import Config, flatten
 from accel_train.errors import UserError
 from accel_train.run.layout import trackers_dir
-from accel_train.run.location import local_dir
 from accel_train.state import Observer, State
 from accel_train.versions import version_problems
 
@@ -61,7 +60,7 @@ class Trackers(Observer):
         if state.start.in_output_dir:  # resumed from a checkpoint of this output_dir: its events are there
             # As metrics.jsonl drops the lines written after the checkpoint, TensorBoard drops those events.
             init_kwargs["tensorboard"] = {"purge_step": state.progress.step + 1}
-            after_earlier_events(trackers_dir(local_dir(config.output_dir)) / PROJECT)
+            after_earlier_events(trackers_dir(state.place.folder) / PROJECT)
         self.accelerator.init_trackers(PROJECT, config=hyperparameters(config, state.launch), init_kwargs=init_kwargs)
 
     def on_log(self, state: State, logs: dict) -> None:

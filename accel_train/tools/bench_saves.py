@@ -25,6 +25,7 @@ from accel_train.storage import Store
 def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats: int = 3) -> dict:
     from accel_train.distributed.accelerator import make_accelerator
     from accel_train.run.checkpoint import Checkpoints, _fsync
+    from accel_train.run.snapshot import Prepared
     from accel_train.state import Progress
     from accel_train.training.optim import build_optimizer
     from accel_train.workloads.models import build_model
@@ -57,8 +58,9 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
 
         # One run's saves, as training makes them: the first allocates the host buffers, the others reuse them.
         run_url = f"{url.rstrip('/')}/background" if url else str(scratch / "background")
-        open_run(run_url, config.data.store_patience_s)
-        checkpoints = Checkpoints(load_config(recipe, [*overrides, f"output_dir={run_url}"]), accelerator)
+        place = open_run(run_url, config.data.store_patience_s)
+        checkpoints = Checkpoints(load_config(recipe, [*overrides, f"output_dir={run_url}"]), accelerator, place,
+                                  prepared=Prepared(models=[model], optimizers=[optimizer]))
         with checkpoints:
             for step in range(1, repeats + 2):
                 before, began = checkpoints.blocked_s, time.perf_counter()

@@ -40,7 +40,7 @@ from accel_train.console import note
 from accel_train.distributed.accelerator import finish_command
 from accel_train.errors import Preempted
 from accel_train.run.layout import EMA_FILE, MODEL_FILE
-from accel_train.run.location import local_dir
+from accel_train.run.location import RunPlace
 from accel_train.run.weights import export
 from accel_train.training.evaluation import evaluate
 from accel_train.training.guard import clip_gradients
@@ -49,12 +49,12 @@ from accel_train.training.setup import Run, set_up
 from accel_train.workloads.tasks import Task
 
 
-def train(config: Config, task: Task, trackers: list[str], *, model=None, train_dataset=None,
+def train(config: Config, task: Task, trackers: list[str], place: RunPlace, *, model=None, train_dataset=None,
           eval_dataset=None) -> dict:
     """Train what `config` describes, checked before (api.check_training); a model or datasets given as objects
-    take the place of its names. `trackers`: Accelerate's names (TensorBoard, W&B, ...). Returns the final
-    evaluation's metrics, the same on every process."""
-    run = set_up(config, task, trackers, model, train_dataset, eval_dataset)  # resumed where `resume` says
+    take the place of its names. `trackers`: Accelerate's names (TensorBoard, W&B, ...); `place`: where the run folder
+    lives (opened by the checks). Returns the final evaluation's metrics, the same on every process."""
+    run = set_up(config, task, trackers, place, model, train_dataset, eval_dataset)  # resumed where `resume` says
     accelerator, model, progress, guard, meter = run.accelerator, run.model, run.progress, run.guard, run.meter
     # SIGTERM / SIGINT are agreed on; a process without progress is named (train.stuck_after_s); the observers
     # close however training ends (a stop line starts a line of its own)
@@ -128,7 +128,7 @@ def finish(run: Run) -> dict:
                              run.watchdog.mark_evaluation, run.test_finish)
         run.observers.on_eval(run.state, final, "test")
     with run.watchdog.paused():
-        folder = local_dir(run.config.output_dir)  # for a URL, staged: the store gets it before the run ends
+        folder = run.state.place.folder  # for a URL, staged: the store gets it before the run ends
         export(run.accelerator, run.model, folder / MODEL_FILE)
         if run.ema:
             export(run.accelerator, run.ema.model, folder / EMA_FILE)

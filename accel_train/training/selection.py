@@ -10,6 +10,7 @@ state, so a resumed run selects and stops as the uninterrupted one would.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -18,7 +19,6 @@ from accel_train.config import Config
 from accel_train.distributed.collectives import any_process
 from accel_train.errors import UserError, did_you_mean
 from accel_train.run.layout import BEST_FILE
-from accel_train.run.location import local_dir
 from accel_train.run.weights import export
 
 
@@ -43,9 +43,10 @@ class Watched:
 
 
 class ModelSelection:
-    def __init__(self, config: Config, accelerator: Accelerator) -> None:
+    def __init__(self, config: Config, accelerator: Accelerator, folder: Path) -> None:
+        """`folder`: where this process writes the run (RunPlace.folder), model_best.safetensors among it."""
         train, checkpoint = config.train, config.checkpoint
-        self.accelerator, self.output_dir = accelerator, local_dir(config.output_dir)
+        self.accelerator, self.output_dir = accelerator, folder
         self.best = Watched(checkpoint.best_metric, checkpoint.best_mode) if checkpoint.best_metric else None
         self.patience = train.early_stop_patience
         self.early_stop = Watched(train.early_stop_metric or checkpoint.best_metric,

@@ -37,7 +37,8 @@ from accel_train.run.checkpoint import Checkpoints
 from accel_train.run.display import Console
 from accel_train.run.folder import RunFolder
 from accel_train.run.layout import stuck_dir, trackers_dir
-from accel_train.run.location import local_dir, mirror_of
+from accel_train.run.location import RunPlace
+from accel_train.run.snapshot import Prepared
 from accel_train.run.tracking import Trackers
 from accel_train.run.weights import initial_weights
 from accel_train.state import Observers, Progress, ResumePoint, State
@@ -101,14 +102,14 @@ class Run:
         return bool(every and progress.step % every == 0) or progress.at_epoch_end or progress.finished
 
 
-def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Module | None = None,
+def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, model: torch.nn.Module | None = None,
            train_dataset=None, eval_dataset=None) -> Run:
     """Make every part, in the order that makes a run a function of its config: the same initial weights on every
     process, then each process's own random streams (dropout), then the checkpoint's state over all of them."""
     started = time.perf_counter()
     set_numerics(config.train.deterministic, config.train.tf32)
     accelerator = make_accelerator(config.seed, config.train.collective_timeout_s, trackers,
-                                   str(trackers_dir(local_dir(config.output_dir))))
+                                   str(trackers_dir(place.folder)))
     per_process_batch(config.train.batch_size, accelerator, "train.batch_size")
     accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
     auto = accumulation is None
@@ -159,19 +160,23 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
     if overrun := schedule_overruns(config.train, steps_per_epoch):
         warn(accelerator, overrun)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
-    meter, selection = TrainMeter(accelerator, config.train.batch_size), ModelSelection(config, accelerator)
+    meter = TrainMeter(accelerator, config.train.batch_size)
+    selection = ModelSelection(config, accelerator, place.folder)
     # micro_batch_size=auto (not under FSDP): a step or eval batch that runs out of memory is redone with half as many
     adapts = halves_on_out_of_memory(accelerator, auto)
     micro_batch_size = MicroBatchSize(accelerator, config.train) if adapts else None
     # What survives a resume beside the model, optimizer and scheduler: one entry a part.
-    checkpoints = Checkpoints(config, accelerator, states={"progress": progress, "meter": meter,
+    checkpoints = Checkpoints(config, accelerator, place, states={"progress": progress, "meter": meter,
                                                            "selection": selection,
                                                            **({"ema": ema.averaged} if ema else {}),
-                                                           **({"micro_batch": micro_batch_size} if adapts else {})})
+                                                           **({"micro_batch": micro_batch_size} if adapts else {})},
+                              prepared=Prepared(models=[model], optimizers=[optimizer], schedulers=[scheduler],
+                                                loaders=[loader for loader in (train_loader, test_loader, val_loader)
+                                                         if loader is not None]))
     start = checkpoints.resume(model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
     launcher = launcher_environment()
     state = State(config, progress, start, run_info(accelerator), (launcher.restart, launcher.max_restarts),
-                  train_data, tuple(trackers), local_dir(config.output_dir))
+                  train_data, tuple(trackers), place)
     observers = main_process_observers(accelerator, task, config, trackers)
     signals = StopSignals(accelerator, config.train.collective_timeout_s)
     selecting_split = "val" if val_loader is not None else "test"
@@ -179,9 +184,9 @@ def set_up(config: Config, task: Task, trackers: list[str], model: torch.nn.Modu
         warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
                           "no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
                           "validation split")
-    mirror = mirror_of(config.output_dir)  # a run folder in a store: the processes meet in its stuck/, not on a disk
-    watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(local_dir(config.output_dir)), signals,
-                        mirror.store_of(STUCK_DIR) if mirror is not None else None)
+    # a run folder in a store: the processes meet in its stuck/, not on a disk they share
+    watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(place.folder), signals,
+                        place.mirror.store_of(STUCK_DIR) if not place.shared else None)
     batches = TrainingBatches(accelerator, train_loader, task, config.seed, accumulation, progress, start,
                               meter.timed, watchdog.mark, train_data.finish)
     step = AdaptiveStep(accelerator, task, micro_batch_size, observers, state) if adapts \

@@ -2,7 +2,8 @@
 state though its write outlasts checkpoint.upload_wait_s and training saves again meanwhile, and host memory holds
 at most two copies of the state; a save that training went on without is committed when it ends, its files never
 deleted by the saves after it, or its failure is said. In this process, on a small model: the writer is held by a
-job queued before it, or an upload by the fault proxy in front of an S3 store (moto, in a thread of this process)."""
+job queued before it, or an upload by the fault proxy in front of an S3 store (moto, in a thread of this process).
+And what the background save writes: the files accelerator.save_state writes, with the same contents."""
 
 import threading
 from contextlib import contextmanager
@@ -14,14 +15,15 @@ from safetensors.torch import load, load_file
 from accel_train import hooks
 from accel_train.config import load_config
 from accel_train.run.checkpoint import Checkpoints, list_checkpoints
-from accel_train.run.location import open_run
+from accel_train.run.location import RunPlace, open_run
+from accel_train.run.snapshot import Prepared
 from accel_train.state import Progress
 
 
 @contextmanager
 def checkpoints_of_a_run(output_dir: str):
-    """(checkpoints, a function that sets every weight to a number) of a run saving into `output_dir`, waiting 0.2 s
-    for a save (checkpoint.upload_wait_s)."""
+    """(checkpoints, a function that sets every weight to a number) of a run saving into `output_dir` (a URL's place
+    opened with a patience of 1 s), waiting 0.2 s for a save (checkpoint.upload_wait_s)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -36,7 +38,8 @@ def checkpoints_of_a_run(output_dir: str):
             for parameter in model.parameters():
                 parameter.fill_(value)
 
-    with Checkpoints(config, accelerator) as checkpoints:
+    place, prepared = open_run(output_dir, patience_s=1), Prepared(models=[model], optimizers=[optimizer])
+    with Checkpoints(config, accelerator, place, prepared=prepared) as checkpoints:
         yield checkpoints, weights_become
         assert checkpoints.worker.idle_within(60)  # every write done before the end's shorter wait
 
@@ -53,7 +56,6 @@ def saves_into_a_store(object_store, tmp_path, monkeypatch):
     """A run saving into the store (checkpoints_of_a_run), staged in tmp_path; and the store."""
     monkeypatch.setenv("ACCEL_TRAIN_STAGING", str(tmp_path / "staging"))
     url = object_store.url("runs/slow")
-    open_run(url, patience_s=1)
     with checkpoints_of_a_run(url) as (checkpoints, weights_become):
         yield checkpoints, weights_become, object_store
         object_store.proxy.release()  # an upload a failed test left held goes on: the run ends before the next test
@@ -183,8 +185,59 @@ def test_a_snapshot_of_cuda_tensors_is_copied_into_pinned_host_memory_and_read_a
 
     accelerator = Accelerator()
     model = accelerator.prepare(torch.nn.Linear(1024, 1024))
-    snapshot = Snapshots().take(accelerator)
+    snapshot = Snapshots().take(accelerator, Prepared(models=[model]))
     weights = snapshot.files["model.safetensors"][0]
     assert all(tensor.is_pinned() for tensor in weights.values())
     snapshot.copied.synchronize()  # what the writer does before it reads them
     assert all(torch.equal(weights[name], tensor.cpu()) for name, tensor in model.state_dict().items())
+
+
+def same(saved, synchronous) -> bool:
+    """Equal, tensor for tensor and value for value, through any nesting."""
+    import numpy as np
+
+    if isinstance(saved, torch.Tensor):
+        return isinstance(synchronous, torch.Tensor) and torch.equal(saved, synchronous)
+    if isinstance(saved, np.ndarray):
+        return np.array_equal(saved, synchronous)
+    if isinstance(saved, dict):
+        return saved.keys() == synchronous.keys() and all(same(saved[key], synchronous[key]) for key in saved)
+    if isinstance(saved, (list, tuple)):
+        return len(saved) == len(synchronous) and all(map(same, saved, synchronous))
+    return saved == synchronous
+
+
+def test_a_background_save_writes_the_files_save_state_writes_with_the_same_contents(tmp_path):
+    # A run's parts as setup prepares them (a model with buffers, AdamW, a schedule, a loader) and registers them (an
+    # EMA module, through Checkpoints' states), one step in: both saves at the same moment.
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    inputs, labels = next(iter(loader))
+    accelerator.backward(torch.nn.functional.cross_entropy(model(inputs), labels))
+    optimizer.step()
+    scheduler.step()
+    ema = torch.nn.Linear(8, 2)
+    config = load_config("mnist_cnn", [f"output_dir={tmp_path / 'run'}"])
+    prepared = Prepared(models=[model], optimizers=[optimizer], schedulers=[scheduler], loaders=[loader])
+    with Checkpoints(config, accelerator, RunPlace(config.output_dir), states={"ema": ema},
+                     prepared=prepared) as checkpoints:
+        save(checkpoints, 1)
+        accelerator.save_state(str(tmp_path / "synchronous"))
+    ((folder, meta),) = list_checkpoints(checkpoints.directory)
+    written = {path.name: path for path in folder.iterdir() if path.name in meta["files"]
+               and not path.name.startswith("loop_state_")}  # accel-train's own part, beside Accelerate's
+    expected = {path.name: path for path in (tmp_path / "synchronous").iterdir()}
+    assert sorted(written) == sorted(expected) and "custom_checkpoint_0.pkl" in written, (sorted(written),
+                                                                                          sorted(expected))
+    for name, path in expected.items():
+        if name.endswith(".safetensors"):
+            assert same(load_file(written[name]), load_file(path)), name
+        else:
+            assert same(torch.load(written[name], weights_only=False), torch.load(path, weights_only=False)), name

@@ -169,3 +169,21 @@ def test_every_hook_point_reaches_every_hook_added_in_order_and_each_return_goes
                 assert result is False
     assert seen == [(point, name) for point in points for name in "ab"]
     assert hooks.every().accelerator_options({"cpu": True}) == {"cpu": True}  # outside, nothing is called
+
+
+def test_no_module_reads_accelerates_private_attributes():
+    # Accelerate's underscore names (its lists of prepared objects, its state's internals) change without notice: a
+    # release that renames one would break every save. The package goes through Accelerate's public API only.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    accelerator = Accelerator(cpu=True)
+    private = {name for holder in (accelerator, accelerator.state, Accelerator, AcceleratorState, PartialState)
+               for name in dir(holder) if name.startswith("_") and not name.startswith("__")}
+    assert {"_models", "_optimizers", "_schedulers", "_custom_objects", "_dataloaders"} <= private
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: .{node.attr}")
+    assert not found, "Accelerate's private attributes read:\n" + "\n".join(found)

@@ -7,6 +7,7 @@ checkpoints/test_checkpoints_stops_and_exact_resume.py.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,14 +217,15 @@ def test_the_selection_state_counts_evaluations_without_improvement_and_survives
     assert [accuracy.improves(value) for value in (0.5, 0.5, 0.6)] == [True, False, True]
 
     config = load_config("mnist_cnn", ["checkpoint.best_metric=accuracy", "train.early_stop_patience=2"])
-    saved = ModelSelection(config, accelerator=None)
+    saved = ModelSelection(config, accelerator=None, folder=Path("unused"))
     saved.best.improves(0.7), saved.early_stop.improves(0.7), saved.early_stop.improves(0.6)
     saved.stopped = True
-    restored = ModelSelection(config, accelerator=None)
+    restored = ModelSelection(config, accelerator=None, folder=Path("unused"))
     restored.load_state_dict(json.loads(json.dumps(saved.state_dict())))  # as the loop state file holds it
     assert (restored.best, restored.early_stop, restored.stopped) == (saved.best, saved.early_stop, True)
     other = ModelSelection(load_config("mnist_cnn", ["checkpoint.best_metric=loss", "checkpoint.best_mode=min",
-                                                     "train.early_stop_patience=2"]), accelerator=None)
+                                                     "train.early_stop_patience=2"]), accelerator=None,
+                           folder=Path("unused"))
     other.load_state_dict(saved.state_dict())  # another metric since the save: its history does not apply
     assert other.best.best is None and other.early_stop.evaluations_without_improvement == 0
 
@@ -259,7 +261,7 @@ def test_a_selection_metric_a_task_did_not_name_beforehand_is_checked_at_the_fir
     from accel_train.training.selection import ModelSelection
 
     config = load_config("mnist_cnn", ["checkpoint.best_metric=msee", f"output_dir={tmp_path}"])
-    selection = ModelSelection(config, SimpleNamespace(num_processes=1))
+    selection = ModelSelection(config, SimpleNamespace(num_processes=1), tmp_path)
     with pytest.raises(UserError, match=r"checkpoint.best_metric=msee is not an eval metric \(did you mean mse\?\); "
                                         r"eval reports mae, mse, num_samples"):
         selection.update({"num_samples": 4, "mse": 0.5, "mae": 0.4}, model=None)

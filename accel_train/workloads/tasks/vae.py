@@ -153,7 +153,7 @@ class VAEPictures(Observer):
         if not pictures:
             return
         columns = min(self.columns, len(pictures["inputs"]))
-        folder = state.folder / "images"
+        folder = state.place.folder / "images"
         with writing(folder, "drawing the VAE's pictures"):
             folder.mkdir(parents=True, exist_ok=True)
             step = state.progress.step
