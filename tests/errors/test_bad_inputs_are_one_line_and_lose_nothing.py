@@ -135,6 +135,24 @@ def test_a_mistyped_url_is_one_line_and_never_becomes_a_local_folder(case, tmp_p
     assert not list(tmp_path.iterdir()), f"left behind: {sorted(path.name for path in tmp_path.iterdir())}"
 
 
+@pytest.mark.parametrize("where", ["the cache folder itself", "a parent"])
+def test_a_shard_cache_dir_that_is_a_file_is_one_line_before_training_and_leaves_no_run_folder(where, tmp_path,
+                                                                                                  capsys):
+    # Else the first read of a block, in a DataLoader worker, ended the run with a traceback, its folder started.
+    cli.main(["shard", "mnist_cnn", "data.synthetic=true", "data.train_subset=24", "data.eval_subset=10",
+              f"output={tmp_path / 'shards'}"])
+    (tmp_path / "file").write_text("not a folder")
+    cache = tmp_path / "file" if where == "the cache folder itself" else tmp_path / "file" / "cache"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", "mnist_cnn", "data.name=shards", f"data.root={tmp_path / 'shards'}",
+                  f"data.cache_dir={cache}", f"output_dir={tmp_path / 'run'}", *TINY[1:]])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert stopped.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"accel-train: error: data.cache_dir={cache} is ") and "not a folder" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("output", ["s3:/bucket/predictions.csv", "s3://bucket/curves.png"])
 def test_predict_and_plot_outputs_that_are_mistyped_urls_are_one_line_before_any_work(output, trained, tmp_path,
                                                                                           monkeypatch, capsys):

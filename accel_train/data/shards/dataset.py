@@ -42,7 +42,7 @@ from accel_train.data.shards.format import (
     sample_members,
 )
 from accel_train.distributed.environment import launcher_environment
-from accel_train.errors import DataNotFoundError
+from accel_train.errors import DataNotFoundError, UserError
 from accel_train.storage import Store, check_location
 
 WRITE_HINT = "write them with accel-train shard RECIPE output=URL (or index tars of your own with accel-train shard " \
@@ -131,8 +131,15 @@ def open_store(cfg: DataConfig) -> Store:
 
 
 def block_cache(cfg: DataConfig, store: Store) -> BlockCache:
-    return BlockCache(store, Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
-                      int(cfg.cache_gb * 1e9))
+    folder = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    # a file there would stop the first read of a block, in a DataLoader worker, with a traceback
+    existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
+    if existing is not None and not existing.is_dir():
+        what = "is a file" if existing == folder else f"is under {existing}, a file"
+        default = "" if cfg.cache_dir else " (data.cache_dir's default)"
+        raise UserError(f"data.cache_dir={cfg.cache_dir or folder}{default} {what}, not a folder: give a folder for "
+                        "this machine's cache of shard blocks")
+    return BlockCache(store, folder, int(cfg.cache_gb * 1e9))
 
 
 def recorded_normalization(index: SplitIndex) -> tuple[tuple, tuple] | None:
