@@ -221,6 +221,42 @@ def test_a_shard_changed_in_the_store_after_its_index_was_written_stops_the_run_
     assert f"cannot read {changed}/train/{shard.name}: block " in line and "not the index's" in line, line
 
 
+@pytest.mark.parametrize("when", ["before the run", "while it trains"])
+def test_a_shard_deleted_from_the_store_while_its_index_lists_it_is_one_line_and_exit_3_naming_it(when, store,
+                                                                                                   tmp_path):
+    # Before: the run's one listing at its start finds it missing, and no run folder is made. While it trains: its
+    # first read (held at the proxy until the shard is gone) finds it missing, where a traceback came before.
+    shared, url = store
+    fs, copied = shared.fs(), shared.url(f"deleted-{when.split()[0]}")
+    fs.copy(url, copied, recursive=True)
+    shard = index_of(shared, url, "train").shards[2]
+    gone = f"{copied}/train/{shard.name}"
+    run = ["train", *RUN, f"data.root={copied}", f"data.cache_dir={tmp_path / 'cache'}",
+           f"output_dir={tmp_path / 'run'}"]
+    if when == "before the run":
+        fs.rm(gone)
+        result = run_cli(*run, check=False)
+        assert result.returncode == 3, result.stderr[-3000:]
+        line = one_error_line(result.stdout + result.stderr)
+        assert f"data.root={copied}: train/index.json lists {shard.name}, which the store does not have" in line, line
+        assert not (tmp_path / "run").exists()
+        return
+    shared.proxy.inject("hold", match=lambda method, path: method == "GET" and gone[5:] in path)
+    log = tmp_path / "log"
+    job = start([PYTHON, "-m", "accel_train", *run], log)
+    try:
+        deadline = time.monotonic() + 120
+        while not shared.proxy.holding.is_set() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shared.proxy.holding.is_set(), log.read_text()[-3000:]
+        fs.rm(gone)
+    finally:
+        shared.proxy.release()
+    assert job.wait(timeout=120) == 3, log.read_text()[-3000:]
+    line = one_error_line(log.read_text())
+    assert f"cannot read {gone}: its index (train/index.json) lists it, but it is not there" in line, line
+
+
 @pytest.mark.floors
 def test_a_store_that_stops_mid_run_stops_it_in_one_line_with_exit_3_after_data_store_patience_s(store, tmp_path):
     """The cache a tenth of the set, so the run keeps reading the store; once a step is logged, the store stops

@@ -17,7 +17,8 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
-from accel_train.data.shards.format import Shard
+from accel_train.data.shards.format import INDEX_FILE, Shard
+from accel_train.errors import DataNotFoundError
 from accel_train.storage import Store
 
 _LOCK_STRIPES = 4096  # lock files by the sha's first three hex digits: a bounded set, shared by all blocks
@@ -99,7 +100,13 @@ class BlockCache:
                 found = hashlib.sha256(data).hexdigest()
                 return None if found == sha256 else (f"block {block} has sha256 {found[:12]}..., not the index's "
                                                      f"{sha256[:12]}...: the shard changed after its index was made")
-            data = self.store.read(f"{folder}/{shard.name}", start, end, check=wrong)
+            try:
+                data = self.store.read(f"{folder}/{shard.name}", start, end, check=wrong)
+            except FileNotFoundError:
+                raise DataNotFoundError(
+                    f"cannot read {self.store.url(f'{folder}/{shard.name}')}: its index ({folder}/{INDEX_FILE}) lists "
+                    "it, but it is not there (deleted or moved after the index was written); put it back, or write "
+                    "the shards again with accel-train shard, then run again with resume=auto") from None
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
             partial.write_bytes(data)

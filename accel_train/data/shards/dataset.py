@@ -66,6 +66,18 @@ def read_index(store: Store, split: str, required: bool = True) -> SplitIndex | 
                                 ) from None
 
 
+def _refuse_missing_shards(store: Store, split: str, index: SplitIndex) -> None:
+    """Every shard the index lists is in the store (one listing): a shard deleted since would otherwise stop the run
+    at its first read, maybe an epoch in (the block cache then says so in one line too)."""
+    present = set(store.names(split))
+    missing = [shard.name for shard in index.shards if shard.name not in present]
+    if missing:
+        more = f" and {len(missing) - 1} more of its {len(index.shards)}" if len(missing) > 1 else ""
+        raise DataNotFoundError(f"data.root={store.location}: {split}/{INDEX_FILE} lists {missing[0]}{more}, which "
+                                "the store does not have (deleted or moved after the index was written); put "
+                                f"{'them' if more else 'it'} back, or write the shards again with accel-train shard")
+
+
 def eval_split(store: Store) -> tuple[str, SplitIndex]:
     for split in ("test", "val"):
         index = read_index(store, split, required=False)
@@ -225,6 +237,7 @@ def shards(cfg: DataConfig, train: bool) -> Data:
     """The train (or the test, else val) split of the shards at data.root."""
     store = open_store(cfg)
     split, index = ("train", read_index(store, "train")) if train else eval_split(store)
+    _refuse_missing_shards(store, split, index)
     if train:
         _warn_of_a_cache_below_a_window(cfg, index)
     dataset = _split_samples(cfg, store, split, index, train)
