@@ -156,7 +156,10 @@ def _copied(url: str, command: str, named: str) -> str:
     """A run's or checkpoint's URL copied into the read cache: the copy, or one line naming the URL (not the copy)
     when nothing of a run is there."""
     copy = readable_run(url)
-    if not ((copy / CONFIG_FILE).is_file() or (copy / MODEL_FILE).is_file()):
+    if url.endswith(".safetensors") and not copy.is_file():
+        raise DataNotFoundError(f"{command} {named}: no such weights file in the store; pass a run's output_dir, "
+                                "one of its checkpoints (RUN/checkpoints/step-N) or a .safetensors file there")
+    if not (copy.is_file() or (copy / CONFIG_FILE).is_file() or (copy / MODEL_FILE).is_file()):
         raise DataNotFoundError(f"{command} {named}: no run there ({CONFIG_FILE} nor {MODEL_FILE} at that URL); pass "
                                 "a run's output_dir or one of its checkpoints (RUN/checkpoints/step-N)")
     return str(copy)

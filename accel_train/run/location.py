@@ -257,10 +257,13 @@ def open_folder(url: str, patience_s: float, ignore: tuple[str, ...] = ()) -> Mi
 def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
     """A run folder to read: a local path as it is; a URL copied (those of its files that exist) into the read
     cache, refreshed at each call. A checkpoint's URL (RUN/checkpoints/step-N) is copied with its run's files, into
-    the same place under the run's copy."""
+    the same place under the run's copy; a weights file's (.safetensors) with the folder it is in."""
     check_location(location, "run")
     if not is_remote(location):
         return Path(location)
+    if location.endswith(".safetensors"):  # a weights file: copied with the run (or checkpoint) it is in
+        folder, _, name = location.rpartition("/")
+        return readable_run(folder, (*files, name)) / name
     run_url, _, checkpoint = location.rstrip("/").partition(f"/{CHECKPOINTS_DIR}/")
     store, copy = Store(run_url, "run"), _read_cache(run_url)
     _copy_run(store, "", copy, files, set(store.names()))

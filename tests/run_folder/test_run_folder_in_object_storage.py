@@ -128,13 +128,20 @@ def finished_run(object_store, tmp_path):
     return url
 
 
-def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_checkpoints_url(
+def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_checkpoints_or_weights_files_url(
         finished_run, object_store, tmp_path):
     final = read_metrics(download(object_store, finished_run, tmp_path / "copy"), "test")[-1]
     evaluated = last_json_line(run_cli("eval", finished_run, env=machine(tmp_path, "reader")).stdout)
     assert evaluated["accuracy"] == final["accuracy"] and evaluated["num_samples"] == final["num_samples"] == 40
     checkpoint = f"{finished_run}/checkpoints/step-00000004"  # the last step's: the final weights
     assert last_json_line(run_cli("eval", checkpoint, env=machine(tmp_path, "reader")).stdout) == evaluated
+    weights = f"{finished_run}/model.safetensors"  # a weights file's URL, as a local path to one is taken
+    assert last_json_line(run_cli("eval", weights, env=machine(tmp_path, "reader")).stdout) == evaluated
+    missing = run_cli("eval", f"{finished_run}/model_best.safetensors", check=False, env=machine(tmp_path, "reader"))
+    assert missing.returncode == 3 and missing.stderr.strip().splitlines() == [
+        f"accel-train: error: eval {finished_run}/model_best.safetensors: no such weights file in the store; pass a "
+        "run's output_dir, one of its checkpoints (RUN/checkpoints/step-N) or a .safetensors file there"], \
+        missing.stderr[-3000:]
     images = tmp_path / "images"
     images.mkdir()
     for index in range(3):
