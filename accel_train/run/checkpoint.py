@@ -443,10 +443,11 @@ class Checkpoints:
             candidates = [(resume_folder(config, self.place), read_meta(resume_folder(config, self.place)))]
         for folder, meta in reversed(candidates):
             if folder != candidates[-1][0]:  # the newest was checked before any data loaded (check_resume)
-                _refuse_other_identity(folder, meta, config)
+                _refuse_other_identity(self.where(folder), meta, config)
             trouble = self._fetch(folder, meta) if self.mirror is not None else None
             if trouble is None:
-                _refuse_what_cannot_continue(folder, meta, config, accelerator, model, steps_per_epoch)
+                _refuse_what_cannot_continue(folder, self.where(folder), meta, config, accelerator, model,
+                                             steps_per_epoch)
                 trouble = _damage(folder, meta)
             error = None
             if trouble is None:
@@ -464,7 +465,7 @@ class Checkpoints:
             where = self.where(directory) if config.resume == "auto" else config.resume
             raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from "
                             "step 0")
-        _note_schedule_changes(folder, meta, config, accelerator)
+        _note_schedule_changes(self.where(folder), meta, config, accelerator)
         epoch, done = resume_position(meta)
         accelerator.print(f"resuming from {self.where(folder)}: step {meta['step']}, epoch {epoch}, {done} batches "
                           "of it done")
@@ -538,14 +539,14 @@ def check_resume(config: Config, place: RunPlace) -> None:
     if config.resume == "auto":
         found = list_checkpoints(own)
         if found:
-            _refuse_other_identity(*found[-1], config)
+            _refuse_other_identity(place.shown(found[-1][0]), found[-1][1], config)
         return
     folder = resume_folder(config, place)
     meta = read_meta(folder)
     if meta is None:
         raise UserError(f"resume={config.resume}: not a checkpoint (no readable {CHECKPOINT_META_FILE}); pass a folder "
                         f"under OUTPUT_DIR/checkpoints/, or resume=auto")
-    _refuse_other_identity(folder, meta, config)
+    _refuse_other_identity(place.shown(folder), meta, config)
     if folder.resolve().parent != own.resolve():
         raise UserError(f"resume={config.resume} is a checkpoint of another folder than "
                         f"output_dir={config.output_dir}: resume continues output_dir's own run (resume=auto, or one "
@@ -566,8 +567,9 @@ def resume_folder(config: Config, place: RunPlace) -> Path:
                     f"give model.init_from=... instead")
 
 
-def _refuse_other_identity(folder: Path, meta: dict, config: Config) -> None:
-    refuse_contradictions(meta["config"], config, f"resume: {folder} is from another run",
+def _refuse_other_identity(shown: str, meta: dict, config: Config) -> None:
+    """`shown`: the checkpoint as the user knows it (its URL for a run folder in a store)."""
+    refuse_contradictions(meta["config"], config, f"resume: {shown} is from another run",
                           "use another output_dir or resume=null")
 
 
@@ -584,29 +586,29 @@ def _read_loop_state(folder: Path, process: int, meta: dict) -> dict:
     return state
 
 
-def _refuse_what_cannot_continue(folder: Path, meta: dict, config: Config, accelerator: Accelerator,
+def _refuse_what_cannot_continue(folder: Path, shown: str, meta: dict, config: Config, accelerator: Accelerator,
                                  model: torch.nn.Module, steps_per_epoch: int) -> None:
     """A checkpoint whose tensors or steps per epoch this run cannot continue from (any world size can: the
     global batch, and so the steps per epoch, are the same at every world size that divides it)."""
     mismatch = shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
     if mismatch:
-        raise UserError(f"resume: {folder} does not fit model.name={config.model.name} on {config.data.name}: "
+        raise UserError(f"resume: {shown} does not fit model.name={config.model.name} on {config.data.name}: "
                         f"{mismatch}; use another output_dir or resume=null")
     if meta["steps_per_epoch"] != steps_per_epoch:
-        raise UserError(f"resume: {folder} has {meta['steps_per_epoch']} steps per epoch, this run "
+        raise UserError(f"resume: {shown} has {meta['steps_per_epoch']} steps per epoch, this run "
                         f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
     if config.data.name == "shards":  # the order over shards is a function of these too: a resumed epoch must see it
         saved_data = meta["config"].get("data") or {}
         for key in SHARD_ORDER_KEYS:
             saved, now = saved_data.get(key, getattr(DataConfig(), key)), getattr(config.data, key)
             if saved != now:
-                raise UserError(f"resume: {folder} was trained with data.{key}={saved}, this run has data.{key}={now}: "
+                raise UserError(f"resume: {shown} was trained with data.{key}={saved}, this run has data.{key}={now}: "
                                 "the order of the samples over the shards depends on it, so the resumed epoch would "
                                 "repeat some samples and skip others; set it back, or start a new run "
                                 "(model.init_from takes the weights)")
     saved_ema = (meta["config"].get("train") or {}).get("ema_decay")
     if bool(saved_ema) != bool(config.train.ema_decay):  # the EMA is a part of the checkpoint, saved or not
-        raise UserError(f"resume: {folder} was saved with train.ema_decay={spelled(saved_ema)}, this run has "
+        raise UserError(f"resume: {shown} was saved with train.ema_decay={spelled(saved_ema)}, this run has "
                         f"train.ema_decay={spelled(config.train.ema_decay)}: an EMA of the weights is saved and "
                         "restored with the checkpoint, so it cannot be added or dropped on the way; set it as the "
                         "checkpoint had it, or start a new run (model.init_from takes the weights)")
@@ -621,7 +623,7 @@ def _reseed_processes(seed: int, step: int, accelerator: Accelerator) -> None:
     set_seed(int.from_bytes(digest[:4], "little"))
 
 
-def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator: Accelerator) -> None:
+def _note_schedule_changes(shown: str, meta: dict, config: Config, accelerator: Accelerator) -> None:
     """The scheduler's state (LRFactor's settings, base LRs) loads with the checkpoint, so say what it overrides."""
     saved, ours = meta["config"]["train"], config.to_dict()["train"]
     keys = ["lr", "schedule", "lr_gamma", "lr_step_epochs", "warmup_steps"]
@@ -629,7 +631,7 @@ def _note_schedule_changes(folder: Path, meta: dict, config: Config, accelerator
         keys += ["epochs", "max_steps"]
     changed = [f"train.{key} {saved.get(key)} -> {ours[key]}" for key in keys if saved.get(key) != ours[key]]
     if changed:
-        warn(accelerator, f"resuming {folder}: the LR schedule continues as saved there, ignoring "
+        warn(accelerator, f"resuming {shown}: the LR schedule continues as saved there, ignoring "
                            f"{', '.join(changed)}")
 
 

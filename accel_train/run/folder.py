@@ -33,12 +33,14 @@ from accel_train.state import Observer, Progress, ResumePoint, State
 def refusals_leave_no_folder(place: RunPlace):
     """A run refused before it wrote anything (weights that do not fit, a loader setting refused once the data is
     known) leaves no empty output_dir behind: the folders made for it are removed again where still empty (rmdir
-    removes nothing else), deepest first."""
+    removes nothing else), deepest first. A run folder in a store leaves no staging after any refusal or failure (the
+    store holds what the run committed; the next start pulls it)."""
     folder = place.folder
     made = [path for path in takewhile(lambda path: not path.exists(), [folder, *folder.parents])]
     try:
         yield
     except UserError:
+        place.discard()
         for path in made:
             try:
                 path.rmdir()

@@ -186,12 +186,21 @@ class Mirror:
         """A last sync, and every upload asked for, within `bound_s`; says so when the bound passes."""
         self.worker.submit(self.sync)
         if self.worker.idle_within(bound_s):
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self.discard()
             return True
         self.warn(f"uploads to {self.url} still under way after {bound_s:g} s (checkpoint.upload_wait_s); ending "
                   f"without them: the store has the run up to its newest committed checkpoint, and resume=auto "
                   f"continues from there")
         return False
+
+    def discard(self) -> None:
+        """This process's staging folder removed (the store holds the run), and the machine's folder for the URL
+        once no process of it has one there any more."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+        try:
+            self.staging.parent.rmdir()
+        except OSError:  # another process of this machine still stages the run (or fetched a checkpoint there)
+            pass
 
     def warn(self, text: str) -> None:
         if not self.warned:
@@ -233,6 +242,11 @@ class RunPlace:
             return str(path)
         relative = path.relative_to(self.folder).as_posix()
         return self.mirror.url if relative == "." else f"{self.mirror.url}/{relative}"
+
+    def discard(self) -> None:
+        """A run refused or failed: this process's staging removed (a local output_dir is left as it is)."""
+        if self.mirror is not None:
+            self.mirror.discard()
 
     def sync_soon(self) -> None:
         """New lines of the run's files reach the store within SYNC_EVERY_S (nothing to do for a local folder)."""

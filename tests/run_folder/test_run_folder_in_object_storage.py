@@ -166,6 +166,18 @@ def test_eval_predict_runs_plot_and_train_run_take_a_run_folder_url_and_eval_a_c
     assert read_metrics(download(object_store, again, tmp_path / "again"), "test")[-1]["num_samples"] == 40
 
 
+def test_a_finished_or_refused_run_in_a_bucket_leaves_no_staging_and_a_refusal_names_the_url(finished_run,
+                                                                                                 tmp_path):
+    assert not list((tmp_path / "trainer").rglob("*")), "the finished run's staging is left behind"
+    refused = run_cli("train", "mnist_cnn", "data.synthetic=true", "model.name=resnet18", f"output_dir={finished_run}",
+                      "resume=auto", check=False, env=machine(tmp_path, "refused"))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        f"accel-train: error: resume: {finished_run}/checkpoints/step-00000004 is from another run: model.name="), \
+        refused.stderr[-3000:]
+    assert not (tmp_path / "refused").exists() or not list((tmp_path / "refused").rglob("*")), \
+        sorted(str(path) for path in (tmp_path / "refused").rglob("*"))
+
+
 def test_model_init_from_takes_a_run_a_checkpoint_or_a_weights_file_at_a_url(finished_run, object_store, tmp_path,
                                                                               monkeypatch, capsys):
     """...and eval of a URL holding no run says so naming that URL, not this machine's copy of it."""
