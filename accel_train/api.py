@@ -31,10 +31,11 @@ from accel_train.config import Config, list_recipes, load_config, refuse_contrad
 from accel_train.config.recipes import run_folder_of
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
-from accel_train.run.checkpoint import check_resume, read_meta
+from accel_train.run.checkpoint_files import read_meta
 from accel_train.run.folder import check_output_dir, refusals_leave_no_folder
 from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
 from accel_train.run.location import RunPlace, readable_run
+from accel_train.run.resume import check_resume
 from accel_train.run.tracking import tracker_names
 from accel_train.storage import check_url_form, is_remote
 from accel_train.versions import check_versions

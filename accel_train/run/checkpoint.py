@@ -1,11 +1,15 @@
 """Checkpoints in output_dir/checkpoints/: atomic, self-describing, pruned; and exact resume from them.
 
+Here: when a save is due, how it is written and committed, retention, and the order of a resume. A checkpoint's
+files (format, listing, which are kept) are run/checkpoint_files.py; what to resume and whether it fits, loading,
+and the fetch from a store are run/resume.py; the copy into host memory is run/snapshot.py.
+
 A checkpoint is the folder `accelerator.save_state` writes on every process (model.safetensors, the
 optimizer, the LR scheduler, each process's RNG state) plus each process's loop state and checkpoint.json:
 step, epoch, position in the epoch, eval metrics, the resolved config and the size of every file.
 
 What survives a resume beside the model, optimizer and scheduler is one mapping of stateful parts, given
-once (`Checkpoints(config, accelerator, states={"progress": ..., "meter": ..., ...})`, as torchtitan's
+once (`Checkpoints(config, accelerator, place, states={"progress": ..., ...})`, as torchtitan's
 CheckpointManager takes them): a part with tensors (a torch module, such as the EMA of the weights) is saved
 with Accelerate's state, any other part's `state_dict()` goes into that process's loop_state_P.json. Resume
 loads every part in place; adding a part is one entry. A checkpoint resumes at another world size: a part whose
@@ -32,10 +36,8 @@ checkpoint can run code when it is read.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
-import pickle
 import shutil
 import time
 from dataclasses import dataclass
@@ -44,22 +46,43 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from accel_train import hooks
-from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
 from accel_train.console import say, warn
 from accel_train.distributed.collectives import any_process, first_message, main_value
 from accel_train.errors import NonFiniteError, Preempted, UserError, writing
+from accel_train.run.checkpoint_files import (
+    FORMAT,
+    PART_DONE,
+    PARTIAL_PREFIX,
+    fsync,
+    list_checkpoints,
+    read_meta,
+    sizes,
+    to_keep,
+    write_synced,
+)
 from accel_train.run.layout import (
     CHECKPOINT_META_FILE,
     CHECKPOINTS_DIR,
     LOOP_STATE_FILE,
-    MODEL_FILE,
     checkpoints_dir,
     usual_permissions,
 )
 from accel_train.run.location import RunPlace, Worker, sha256_of
-from accel_train.run.weights import shape_mismatch
+from accel_train.run.resume import (
+    damage,
+    fetch_once_per_machine,
+    load_checkpoint,
+    merged_loop_states,
+    note_schedule_changes,
+    read_loop_state,
+    refuse_other_identity,
+    refuse_what_cannot_continue,
+    reseed_processes,
+    resume_folder,
+    resume_position,
+)
 from accel_train.state import Progress, ResumePoint
-from accel_train.storage import StoreUnavailable, is_remote, join
+from accel_train.storage import StoreUnavailable, join
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -70,9 +93,6 @@ if TYPE_CHECKING:
     from accel_train.config import CheckpointConfig, Config
     from accel_train.run.snapshot import Prepared, Snapshot
 
-FORMAT = 1
-PARTIAL_PREFIX = ".partial-"
-PART_DONE = ".part-{process}.json"  # a process's part of a checkpoint is complete (in a store: its files' hashes)
 ABANDON_WAIT_S = 30.0  # how long a run that fails waits for its own part of a save under way
 
 
@@ -81,39 +101,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def read_meta(folder: Path) -> dict | None:
-    try:
-        meta = json.loads((folder / CHECKPOINT_META_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
-
-
-def list_checkpoints(directory: Path) -> list[tuple[Path, dict]]:
-    """Checkpoints whose metadata reads, oldest save first. Partial folders have none and are never listed."""
-    found = []
-    if directory.is_dir():
-        for folder in directory.iterdir():
-            meta = read_meta(folder) if folder.is_dir() and not folder.name.startswith(".") else None
-            if meta is not None:
-                found.append((folder, meta))
-    return sorted(found, key=lambda item: item[1]["serial"])
-
-
-def to_keep(checkpoints: list[tuple[Path, dict]], keep_last: int, best_metric: str | None,
-            best_mode: str) -> set[Path]:
-    """The newest `keep_last` saves, plus the earliest one with the best `best_metric` among evaluated ones."""
-    keep = {folder for folder, _ in checkpoints[-keep_last:]}
-    scored = [(folder, meta["metrics"][best_metric]) for folder, meta in checkpoints
-              if isinstance(meta["metrics"].get(best_metric), (int, float))] if best_metric else []
-    if scored:
-        pick = max if best_mode == "max" else min
-        keep.add(pick(scored, key=lambda item: item[1])[0])
-    return keep
-
-
-def _sizes(parts: dict[str, list]) -> dict[str, int]:
-    return {file: part[0] for file, part in parts.items()}
 
 
 @dataclass
@@ -126,13 +113,6 @@ class UnderWay:
     location: str  # where it will be, as the user knows it
 
 
-def resume_position(meta: dict) -> tuple[int, int]:
-    """(epoch to continue, optimizer steps of it already taken) for a checkpoint's metadata: a checkpoint of an
-    epoch's last step continues with the next epoch (that step's evaluation came before the save)."""
-    epoch, done = meta["epoch"], meta["batches_done_in_epoch"]
-    if done >= meta["steps_per_epoch"]:
-        return epoch + 1, 0
-    return epoch, done
 
 
 class Checkpoints:
@@ -305,14 +285,14 @@ class Checkpoints:
         with writing(partial, f"saving the checkpoint of step {progress.step}"):
             if snapshot is not None:
                 self.snapshots.write(snapshot, partial)
-            _write_synced(partial / LOOP_STATE_FILE.format(process=process), json.dumps(loop_state))
+            write_synced(partial / LOOP_STATE_FILE.format(process=process), json.dumps(loop_state))
             mine = sorted(path for path in partial.iterdir() if path.is_file() and not path.name.startswith("."))
             if snapshot is not None or self.mirror is not None:  # else save_state wrote them, synced at publishing
                 usual_permissions(*mine)
                 for path in mine:
-                    _fsync(path)
+                    fsync(path)
             if self.mirror is None:
-                _write_synced(partial / PART_DONE.format(process=process), "")
+                write_synced(partial / PART_DONE.format(process=process), "")
         if self.mirror is not None:
             self._upload_part(name, mine)
             if not accelerator.is_main_process:  # the store has them
@@ -326,7 +306,7 @@ class Checkpoints:
             shutil.rmtree(partial, ignore_errors=True)
         written = time.perf_counter() - started
         self.written_s += written
-        size_mb = sum(meta_size for meta_size in _sizes(parts).values()) / 2**20
+        size_mb = sum(meta_size for meta_size in sizes(parts).values()) / 2**20
         say(f"checkpoint step {progress.step} saved in {self.where(final)}: blocked {blocked:.2f} s, {self.done} in "
             f"{written:.2f} s ({size_mb:.1f} MiB)")
         self._prune()
@@ -377,7 +357,7 @@ class Checkpoints:
         if self.mirror is None:
             usual_permissions(*(partial / relative for relative in parts))
             for relative in parts:  # durable before the rename publishes them
-                _fsync(partial / relative)
+                fsync(partial / relative)
         meta = {
             "format": FORMAT,
             "serial": existing[-1][1]["serial"] + 1 if existing else 1,
@@ -389,7 +369,7 @@ class Checkpoints:
             "metrics": dict(progress.last_eval) if evaluated else {},
             "world_size": self.accelerator.num_processes,
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "files": _sizes(parts),
+            "files": sizes(parts),
             **({"sha256": {file: part[1] for file, part in parts.items()}} if self.mirror is not None else {}),
             "config": self.config.to_dict(),
         }
@@ -398,11 +378,11 @@ class Checkpoints:
             self.mirror.sync()  # every line this checkpoint has seen is in the store before it counts
             self.mirror.store.write(f"{CHECKPOINTS_DIR}/{name}/{CHECKPOINT_META_FILE}", text.encode())
             final.mkdir()  # staged: the manifest alone, for the checkpoints' order and retention
-            _write_synced(final / CHECKPOINT_META_FILE, text)
+            write_synced(final / CHECKPOINT_META_FILE, text)
             return final
-        _write_synced(partial / CHECKPOINT_META_FILE, text)
+        write_synced(partial / CHECKPOINT_META_FILE, text)
         os.replace(partial, final)
-        _fsync(self.directory)
+        fsync(self.directory)
         return final
 
     def _prune(self) -> None:
@@ -443,15 +423,16 @@ class Checkpoints:
             candidates = [(resume_folder(config, self.place), read_meta(resume_folder(config, self.place)))]
         for folder, meta in reversed(candidates):
             if folder != candidates[-1][0]:  # the newest was checked before any data loaded (check_resume)
-                _refuse_other_identity(self.where(folder), meta, config)
-            trouble = self._fetch(folder, meta) if self.mirror is not None else None
+                refuse_other_identity(self.where(folder), meta, config)
+            trouble = fetch_once_per_machine(accelerator, self.mirror, folder, meta) if self.mirror is not None \
+                else None
             if trouble is None:
-                _refuse_what_cannot_continue(folder, self.where(folder), meta, config, accelerator, model,
+                refuse_what_cannot_continue(folder, self.where(folder), meta, config, accelerator, model,
                                              steps_per_epoch)
-                trouble = _damage(folder, meta)
+                trouble = damage(folder, meta)
             error = None
             if trouble is None:
-                trouble, error = _load(accelerator, folder)
+                trouble, error = load_checkpoint(accelerator, folder)
             error = first_message(error, accelerator)
             if error:  # not damage: an older checkpoint would fail the same way, and this one is probably good
                 raise UserError(f"resume: cannot load {self.where(folder)}, whose files are whole: {error}; this is "
@@ -465,7 +446,7 @@ class Checkpoints:
             where = self.where(directory) if config.resume == "auto" else config.resume
             raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from "
                             "step 0")
-        _note_schedule_changes(self.where(folder), meta, config, accelerator)
+        note_schedule_changes(self.where(folder), meta, config, accelerator)
         epoch, done = resume_position(meta)
         accelerator.print(f"resuming from {self.where(folder)}: step {meta['step']}, epoch {epoch}, {done} batches "
                           "of it done")
@@ -478,222 +459,13 @@ class Checkpoints:
         # the count starts over.
         accelerator.step = 0
         if meta["world_size"] == accelerator.num_processes:
-            saved = _read_loop_state(folder, accelerator.process_index, meta)
+            saved = read_loop_state(folder, accelerator.process_index, meta)
         else:
-            saved = self._merged_loop_states(folder, meta)
-            _reseed_processes(config.seed, meta["step"], accelerator)
+            saved = merged_loop_states(self.states, folder, meta)
+            reseed_processes(config.seed, meta["step"], accelerator)
         for name, part in self.states.items():
             if saved.get(name) is not None:
                 part.load_state_dict(saved[name])
         return ResumePoint(step=meta["step"], epoch=epoch, steps_done_in_epoch=done, evaluated=meta["evaluated"],
                            in_output_dir=folder.parent.resolve() == directory.resolve(),
                            saved_world_size=meta["world_size"])
-
-    def _fetch(self, folder: Path, meta: dict) -> str | None:
-        """A committed checkpoint's objects from the store into staging, once per machine: the machine's first
-        process downloads them into a folder its processes share, and each process links them into its own staging
-        (a hard link, else a copy). What is wrong, or None."""
-        accelerator, fetched = self.accelerator, self.mirror.fetched / folder.name
-        trouble = self._download(fetched, folder.name, meta) if accelerator.is_local_main_process else None
-        accelerator.wait_for_everyone()
-        if trouble is None:
-            trouble = _linked(fetched, folder, meta)
-        accelerator.wait_for_everyone()
-        if accelerator.is_local_main_process:
-            shutil.rmtree(fetched, ignore_errors=True)
-        return trouble
-
-    def _download(self, into: Path, name: str, meta: dict) -> str | None:
-        """Each object of checkpoint `name`, checked against its manifest's size and sha256; what is wrong, or None."""
-        hashes = meta.get("sha256") or {}
-        for file, size in meta["files"].items():
-            path = into / file
-            try:
-                self.mirror.store.get(f"{CHECKPOINTS_DIR}/{name}/{file}", path)
-            except FileNotFoundError:
-                return f"{file} is missing in the store"
-            if path.stat().st_size != size or sha256_of(path) != hashes.get(file):
-                return f"{file} in the store is not the one its manifest describes (size or sha256)"
-        return None
-
-    def _merged_loop_states(self, folder: Path, meta: dict) -> dict:
-        """Each part's state for this process from a checkpoint of another world size: a part whose state differs
-        per process (the train meter's partial sums) merges the saved processes' states (`merge_states`); any
-        other part is the same on every process, and process 0's is taken."""
-        saved = [_read_loop_state(folder, process, meta) for process in range(meta["world_size"])]
-        merged = {}
-        for name, part in self.states.items():
-            states = [state.get(name) for state in saved]
-            if any(state is None for state in states):
-                continue
-            merge = getattr(part, "merge_states", None)
-            merged[name] = merge(states) if merge is not None else states[0]
-        return merged
-
-
-def check_resume(config: Config, place: RunPlace) -> None:
-    """Before any data is loaded: `resume=PATH` is a checkpoint, and the checkpoint to resume is this run's."""
-    if config.resume is None:
-        return
-    own = checkpoints_dir(place.folder)
-    if config.resume == "auto":
-        found = list_checkpoints(own)
-        if found:
-            _refuse_other_identity(place.shown(found[-1][0]), found[-1][1], config)
-        return
-    folder = resume_folder(config, place)
-    meta = read_meta(folder)
-    if meta is None:
-        raise UserError(f"resume={config.resume}: not a checkpoint (no readable {CHECKPOINT_META_FILE}); pass a folder "
-                        f"under OUTPUT_DIR/checkpoints/, or resume=auto")
-    _refuse_other_identity(place.shown(folder), meta, config)
-    if folder.resolve().parent != own.resolve():
-        raise UserError(f"resume={config.resume} is a checkpoint of another folder than "
-                        f"output_dir={config.output_dir}: resume continues output_dir's own run (resume=auto, or one "
-                        f"of {join(config.output_dir, CHECKPOINTS_DIR)}/step-N); to start a new run from its weights, "
-                        f"give model.init_from={config.resume} instead")
-
-
-def resume_folder(config: Config, place: RunPlace) -> Path:
-    """The folder `resume=PATH` names; for a run folder in a store, a checkpoint URL under output_dir is its staged
-    copy (whose manifest the start pulled)."""
-    if not is_remote(config.resume):
-        return Path(config.resume)
-    prefix = join(config.output_dir, CHECKPOINTS_DIR) + "/"
-    if is_remote(config.output_dir) and config.resume.startswith(prefix):
-        return checkpoints_dir(place.folder) / config.resume[len(prefix):].strip("/")
-    raise UserError(f"resume={config.resume} is not a checkpoint of output_dir={config.output_dir}: resume continues "
-                    f"output_dir's own run (resume=auto, or {prefix}step-N); to start a new run from its weights, "
-                    f"give model.init_from=... instead")
-
-
-def _refuse_other_identity(shown: str, meta: dict, config: Config) -> None:
-    """`shown`: the checkpoint as the user knows it (its URL for a run folder in a store)."""
-    refuse_contradictions(meta["config"], config, f"resume: {shown} is from another run",
-                          "use another output_dir or resume=null")
-
-
-def _read_loop_state(folder: Path, process: int, meta: dict) -> dict:
-    """This process's saved parts by name. A loop state without named parts (the train meter's sums at the top
-    level, the progress in checkpoint.json alone) is read into the parts."""
-    path = folder / LOOP_STATE_FILE.format(process=process)
-    state = json.loads(path.read_text()) if path.is_file() else {}
-    if "progress" not in state:
-        state = {"meter": {key: state[key] for key in ("names", "sums", "counted")} if "names" in state else None,
-                 "selection": state.get("selection"),
-                 "progress": {"step": meta["step"], "last_eval": meta["metrics"],
-                              "elapsed_s": state.get("elapsed_s", 0.0)}}
-    return state
-
-
-def _refuse_what_cannot_continue(folder: Path, shown: str, meta: dict, config: Config, accelerator: Accelerator,
-                                 model: torch.nn.Module, steps_per_epoch: int) -> None:
-    """A checkpoint whose tensors or steps per epoch this run cannot continue from (any world size can: the
-    global batch, and so the steps per epoch, are the same at every world size that divides it)."""
-    mismatch = shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
-    if mismatch:
-        raise UserError(f"resume: {shown} does not fit model.name={config.model.name} on {config.data.name}: "
-                        f"{mismatch}; use another output_dir or resume=null")
-    if meta["steps_per_epoch"] != steps_per_epoch:
-        raise UserError(f"resume: {shown} has {meta['steps_per_epoch']} steps per epoch, this run "
-                        f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
-    if config.data.name == "shards":  # the order over shards is a function of these too: a resumed epoch must see it
-        saved_data = meta["config"].get("data") or {}
-        for key in SHARD_ORDER_KEYS:
-            saved, now = saved_data.get(key, getattr(DataConfig(), key)), getattr(config.data, key)
-            if saved != now:
-                raise UserError(f"resume: {shown} was trained with data.{key}={saved}, this run has data.{key}={now}: "
-                                "the order of the samples over the shards depends on it, so the resumed epoch would "
-                                "repeat some samples and skip others; set it back, or start a new run "
-                                "(model.init_from takes the weights)")
-    saved_ema = (meta["config"].get("train") or {}).get("ema_decay")
-    if bool(saved_ema) != bool(config.train.ema_decay):  # the EMA is a part of the checkpoint, saved or not
-        raise UserError(f"resume: {shown} was saved with train.ema_decay={spelled(saved_ema)}, this run has "
-                        f"train.ema_decay={spelled(config.train.ema_decay)}: an EMA of the weights is saved and "
-                        "restored with the checkpoint, so it cannot be added or dropped on the way; set it as the "
-                        "checkpoint had it, or start a new run (model.init_from takes the weights)")
-
-
-def _reseed_processes(seed: int, step: int, accelerator: Accelerator) -> None:
-    """After loading a checkpoint of another world size: each process's own random streams (dropout) anew from
-    (seed, process, step), since the saved streams were those of other processes."""
-    from accelerate.utils import set_seed
-
-    digest = hashlib.sha256(f"{seed}:{accelerator.process_index}:{step}".encode()).digest()
-    set_seed(int.from_bytes(digest[:4], "little"))
-
-
-def _note_schedule_changes(shown: str, meta: dict, config: Config, accelerator: Accelerator) -> None:
-    """The scheduler's state (LRFactor's settings, base LRs) loads with the checkpoint, so say what it overrides."""
-    saved, ours = meta["config"]["train"], config.to_dict()["train"]
-    keys = ["lr", "schedule", "lr_gamma", "lr_step_epochs", "warmup_steps"]
-    if ours["schedule"] == "cosine":  # the only schedule whose shape depends on the run's length
-        keys += ["epochs", "max_steps"]
-    changed = [f"train.{key} {saved.get(key)} -> {ours[key]}" for key in keys if saved.get(key) != ours[key]]
-    if changed:
-        warn(accelerator, f"resuming {shown}: the LR schedule continues as saved there, ignoring "
-                           f"{', '.join(changed)}")
-
-
-def _linked(fetched: Path, folder: Path, meta: dict) -> str | None:
-    """The files this machine's first process fetched (`fetched`), in `folder`; what is wrong, or None."""
-    for name in meta["files"]:
-        source, path = fetched / name, folder / name
-        if not source.is_file():
-            return f"{name} was not fetched from the store (by the first process on this machine)"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
-        try:
-            os.link(source, path)
-        except OSError:  # a file system without hard links
-            shutil.copyfile(source, path)
-    return None
-
-
-def _damage(folder: Path, meta: dict) -> str | None:
-    for name, size in meta["files"].items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {size} were written"
-    return None
-
-
-def _load(accelerator: Accelerator, folder: Path) -> tuple[str | None, str | None]:
-    """Load a checkpoint: (what is damaged, None), or (None, an error that is not damage), or (None, None)."""
-    try:
-        # weights_only: the optimizer, scheduler and RNG files are pickles; only tensors and plain data may load.
-        accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
-    except Exception as err:
-        text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        return (text, None) if _is_damage(err) else (None, text)
-    return None, None
-
-
-def _is_damage(err: Exception) -> bool:
-    """Whether a load error means a file's bytes do not decode, rather than an API or a class that differs."""
-    from safetensors import SafetensorError
-
-    if isinstance(err, PermissionError):  # a file we may not read is whole: say so rather than skip it
-        return False
-    if isinstance(err, (SafetensorError, EOFError, OSError)):
-        return True
-    if isinstance(err, pickle.UnpicklingError):  # torch's weights-only unpickler: garbage, or a class it refuses
-        return "Unsupported global" not in str(err)
-    return isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)  # torch's zip reader
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

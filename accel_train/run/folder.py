@@ -15,7 +15,6 @@ from pathlib import Path
 from accel_train.config import CONFIG_FILE, Config, save_config
 from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import UserError, storage_error, writing
-from accel_train.run.checkpoint import resume_folder
 from accel_train.run.layout import (
     CLASSES_FILE,
     CURVES_FILE,
@@ -26,6 +25,7 @@ from accel_train.run.layout import (
     held_results,
 )
 from accel_train.run.location import RunPlace
+from accel_train.run.resume import resume_folder
 from accel_train.state import Observer, Progress, ResumePoint, State
 
 

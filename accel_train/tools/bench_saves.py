@@ -24,7 +24,8 @@ from accel_train.storage import Store
 
 def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats: int = 3) -> dict:
     from accel_train.distributed.accelerator import make_accelerator
-    from accel_train.run.checkpoint import Checkpoints, _fsync
+    from accel_train.run.checkpoint import Checkpoints
+    from accel_train.run.checkpoint_files import fsync
     from accel_train.run.snapshot import Prepared
     from accel_train.state import Progress
     from accel_train.training.optim import build_optimizer
@@ -49,7 +50,7 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
             began = time.perf_counter()
             accelerator.save_state(str(folder))
             for path in folder.iterdir():
-                _fsync(path)
+                fsync(path)
             if url:
                 store = Store(f"{url.rstrip('/')}/sync-{repeat}", "output_dir", config.data.store_patience_s)
                 for path in sorted(folder.iterdir()):

@@ -14,7 +14,8 @@ from safetensors.torch import load, load_file
 
 from accel_train import hooks
 from accel_train.config import load_config
-from accel_train.run.checkpoint import Checkpoints, list_checkpoints
+from accel_train.run.checkpoint import Checkpoints
+from accel_train.run.checkpoint_files import list_checkpoints
 from accel_train.run.location import RunPlace, open_run
 from accel_train.run.snapshot import Prepared
 from accel_train.state import Progress

@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from accel_train.run.checkpoint import list_checkpoints, to_keep
+from accel_train.run.checkpoint_files import list_checkpoints, to_keep
 from accel_train.run.layout import read_starts
 from accel_train.run.summaries import TIMING
 from support.commands import (
@@ -382,7 +382,7 @@ def test_loading_a_checkpoint_never_runs_code_from_it(reference, tmp_path):
     from accelerate import Accelerator
 
     from accel_train.config import TrainConfig
-    from accel_train.run.checkpoint import _load
+    from accel_train.run.resume import load_checkpoint
     from accel_train.training.optim import build_optimizer, build_scheduler
     from accel_train.workloads.models import MnistCNN
 
@@ -393,7 +393,7 @@ def test_loading_a_checkpoint_never_runs_code_from_it(reference, tmp_path):
     model = MnistCNN(10, (1, 28, 28))
     optimizer = build_optimizer(TrainConfig(), model)
     accelerator.prepare(model, optimizer, build_scheduler(TrainConfig(), optimizer, STEPS_PER_EPOCH))
-    damage, error = _load(accelerator, folder)
+    damage, error = load_checkpoint(accelerator, folder)
     # Refused, and not taken for damage: the file is whole, it names a function the unpickler does not allow.
     assert damage is None and error is not None and "UnpicklingError" in error, (damage, error)
     assert not marker.exists()

@@ -202,11 +202,11 @@ def test_a_resume_whose_lr_base_gives_another_lr_warns_as_a_changed_train_lr_doe
     """The checkpoint's scheduler carries the LR on: a train.lr computed anew is named, like one changed by hand."""
     from types import SimpleNamespace
 
-    from accel_train.run.checkpoint import _note_schedule_changes
+    from accel_train.run.resume import note_schedule_changes
 
     def warning(saved: list[str], ours: list[str]) -> str:
         meta = {"config": load_config("fashion_mnist_cnn", saved).to_dict()}
-        _note_schedule_changes("ckpt", meta, load_config("fashion_mnist_cnn", ours), SimpleNamespace(
+        note_schedule_changes("ckpt", meta, load_config("fashion_mnist_cnn", ours), SimpleNamespace(
             is_main_process=True))
         return capsys.readouterr().err
 

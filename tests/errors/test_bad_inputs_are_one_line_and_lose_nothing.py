@@ -231,7 +231,7 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_earlier_checkpoint_survives(small_disk):
-    from accel_train.run.checkpoint import list_checkpoints
+    from accel_train.run.checkpoint_files import list_checkpoints
 
     disk = small_disk("20m")  # room for one checkpoint of mnist_cnn + AdamW (13.8 MiB), not two
     result = run_cli("train", "mnist_cnn", f"output_dir={disk}", *TINY, "train.max_steps=4",

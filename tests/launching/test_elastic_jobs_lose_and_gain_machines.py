@@ -24,7 +24,7 @@ import time
 import psutil
 import pytest
 
-from accel_train.run.checkpoint import list_checkpoints
+from accel_train.run.checkpoint_files import list_checkpoints
 from accel_train.run.layout import read_starts
 from support.commands import free_port, start, torchrun, wait_for
 from support.locations import PROFILES

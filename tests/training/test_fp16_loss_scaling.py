@@ -10,7 +10,7 @@ from accelerate.state import AcceleratorState
 
 from accel_train import hooks
 from accel_train.errors import NonFiniteError
-from accel_train.run.checkpoint import list_checkpoints
+from accel_train.run.checkpoint_files import list_checkpoints
 from support.commands import train_in_process
 from support.faults import Fp16OnCpu, NonFinite, OverflowFrom
 from support.runs import read_metrics

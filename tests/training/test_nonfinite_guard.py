@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from accel_train.run.checkpoint import list_checkpoints
+from accel_train.run.checkpoint_files import list_checkpoints
 from support.commands import launch, run_probe, train_in_process
 from support.locations import PROBE
 from support.runs import read_metrics

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from accel_train import hooks
-from accel_train.run.checkpoint import list_checkpoints
+from accel_train.run.checkpoint_files import list_checkpoints
 from accel_train.run.layout import read_micro_batch_changes, read_starts
 from accel_train.run.summaries import summarize
 from support.commands import evaluate_in_process, launch, train_in_process

@@ -13,9 +13,10 @@ import torch
 from accel_train import hooks
 from accel_train.config import load_config
 from accel_train.data.in_memory import PerSampleImages
-from accel_train.run.checkpoint import Checkpoints, resume_position
+from accel_train.run.checkpoint import Checkpoints
 from accel_train.run.folder import lines_up_to
 from accel_train.run.location import RunPlace
+from accel_train.run.resume import resume_position
 from accel_train.state import Progress, ResumePoint
 from support.commands import train_in_process
 from support.runs import read_metrics
@@ -169,22 +170,22 @@ def test_the_train_meter_state_round_trips_bit_for_bit():
 
 
 def test_a_checkpoint_restores_every_stateful_part_by_name_and_one_of_the_previous_layout_too(tmp_path):
-    from accel_train.run.checkpoint import _read_loop_state
+    from accel_train.run.resume import read_loop_state
 
     meta = {"step": 12, "epoch": 1, "metrics": {"accuracy": 0.5}}
     progress = Progress(steps_per_epoch=10, total_steps=30, step=12, last_eval={"accuracy": 0.5})
     saved = {"progress": progress.state_dict(), "meter": {"names": ["loss"], "sums": [1.5], "counted": 2.0},
              "selection": {"best": None, "early_stop": None, "stopped": False}}
     (tmp_path / "loop_state_0.json").write_text(json.dumps(saved))
-    assert _read_loop_state(tmp_path, 0, meta) == json.loads(json.dumps(saved))
+    assert read_loop_state(tmp_path, 0, meta) == json.loads(json.dumps(saved))
     restored = Progress(steps_per_epoch=10, total_steps=30)
-    restored.load_state_dict(_read_loop_state(tmp_path, 0, meta)["progress"])
+    restored.load_state_dict(read_loop_state(tmp_path, 0, meta)["progress"])
     assert (restored.step, restored.last_eval) == (12, {"accuracy": 0.5})
     assert restored.elapsed_before_s == pytest.approx(saved["progress"]["elapsed_s"])
     # The other layout read: the meter's sums at the top level of loop_state, the progress in checkpoint.json.
     (tmp_path / "loop_state_0.json").write_text(json.dumps({**saved["meter"], "selection": saved["selection"],
                                                             "elapsed_s": 7.5}))
-    assert _read_loop_state(tmp_path, 0, meta) == {
+    assert read_loop_state(tmp_path, 0, meta) == {
         "meter": saved["meter"], "selection": saved["selection"],
         "progress": {"step": 12, "last_eval": {"accuracy": 0.5}, "elapsed_s": 7.5}}
 

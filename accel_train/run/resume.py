@@ -1,0 +1,235 @@
+"""What to resume and whether it fits: `resume=` checked before any data loads, a checkpoint refused in one line
+when this run cannot continue from it (another run, other tensors, steps per epoch, shard order or EMA), loaded
+with `weights_only` (nothing in a checkpoint runs code when read), told apart from damage, and each part's saved
+state read back, merged across world sizes where the saved processes' states differ."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
+from accel_train.console import warn
+from accel_train.errors import UserError
+from accel_train.run.checkpoint_files import list_checkpoints, read_meta
+from accel_train.run.layout import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LOOP_STATE_FILE, MODEL_FILE, checkpoints_dir
+from accel_train.run.location import Mirror, RunPlace, sha256_of
+from accel_train.run.weights import shape_mismatch
+from accel_train.storage import is_remote, join
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
+    from accel_train.config import Config
+
+
+def resume_position(meta: dict) -> tuple[int, int]:
+    """(epoch to continue, optimizer steps of it already taken) for a checkpoint's metadata: a checkpoint of an
+    epoch's last step continues with the next epoch (that step's evaluation came before the save)."""
+    epoch, done = meta["epoch"], meta["batches_done_in_epoch"]
+    if done >= meta["steps_per_epoch"]:
+        return epoch + 1, 0
+    return epoch, done
+
+
+def check_resume(config: Config, place: RunPlace) -> None:
+    """Before any data is loaded: `resume=PATH` is a checkpoint, and the checkpoint to resume is this run's."""
+    if config.resume is None:
+        return
+    own = checkpoints_dir(place.folder)
+    if config.resume == "auto":
+        found = list_checkpoints(own)
+        if found:
+            refuse_other_identity(place.shown(found[-1][0]), found[-1][1], config)
+        return
+    folder = resume_folder(config, place)
+    meta = read_meta(folder)
+    if meta is None:
+        raise UserError(f"resume={config.resume}: not a checkpoint (no readable {CHECKPOINT_META_FILE}); pass a folder "
+                        f"under OUTPUT_DIR/checkpoints/, or resume=auto")
+    refuse_other_identity(place.shown(folder), meta, config)
+    if folder.resolve().parent != own.resolve():
+        raise UserError(f"resume={config.resume} is a checkpoint of another folder than "
+                        f"output_dir={config.output_dir}: resume continues output_dir's own run (resume=auto, or one "
+                        f"of {join(config.output_dir, CHECKPOINTS_DIR)}/step-N); to start a new run from its weights, "
+                        f"give model.init_from={config.resume} instead")
+
+
+def resume_folder(config: Config, place: RunPlace) -> Path:
+    """The folder `resume=PATH` names; for a run folder in a store, a checkpoint URL under output_dir is its staged
+    copy (whose manifest the start pulled)."""
+    if not is_remote(config.resume):
+        return Path(config.resume)
+    prefix = join(config.output_dir, CHECKPOINTS_DIR) + "/"
+    if is_remote(config.output_dir) and config.resume.startswith(prefix):
+        return checkpoints_dir(place.folder) / config.resume[len(prefix):].strip("/")
+    raise UserError(f"resume={config.resume} is not a checkpoint of output_dir={config.output_dir}: resume continues "
+                    f"output_dir's own run (resume=auto, or {prefix}step-N); to start a new run from its weights, "
+                    f"give model.init_from=... instead")
+
+
+def refuse_other_identity(shown: str, meta: dict, config: Config) -> None:
+    """`shown`: the checkpoint as the user knows it (its URL for a run folder in a store)."""
+    refuse_contradictions(meta["config"], config, f"resume: {shown} is from another run",
+                          "use another output_dir or resume=null")
+
+
+def read_loop_state(folder: Path, process: int, meta: dict) -> dict:
+    """This process's saved parts by name. A loop state without named parts (the train meter's sums at the top
+    level, the progress in checkpoint.json alone) is read into the parts."""
+    path = folder / LOOP_STATE_FILE.format(process=process)
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    if "progress" not in state:
+        state = {"meter": {key: state[key] for key in ("names", "sums", "counted")} if "names" in state else None,
+                 "selection": state.get("selection"),
+                 "progress": {"step": meta["step"], "last_eval": meta["metrics"],
+                              "elapsed_s": state.get("elapsed_s", 0.0)}}
+    return state
+
+
+def refuse_what_cannot_continue(folder: Path, shown: str, meta: dict, config: Config, accelerator: Accelerator,
+                                 model: torch.nn.Module, steps_per_epoch: int) -> None:
+    """A checkpoint whose tensors or steps per epoch this run cannot continue from (any world size can: the
+    global batch, and so the steps per epoch, are the same at every world size that divides it)."""
+    mismatch = shape_mismatch(folder / MODEL_FILE, accelerator.unwrap_model(model))
+    if mismatch:
+        raise UserError(f"resume: {shown} does not fit model.name={config.model.name} on {config.data.name}: "
+                        f"{mismatch}; use another output_dir or resume=null")
+    if meta["steps_per_epoch"] != steps_per_epoch:
+        raise UserError(f"resume: {shown} has {meta['steps_per_epoch']} steps per epoch, this run "
+                        f"{steps_per_epoch}; train.batch_size or data.train_subset changed since it was saved")
+    if config.data.name == "shards":  # the order over shards is a function of these too: a resumed epoch must see it
+        saved_data = meta["config"].get("data") or {}
+        for key in SHARD_ORDER_KEYS:
+            saved, now = saved_data.get(key, getattr(DataConfig(), key)), getattr(config.data, key)
+            if saved != now:
+                raise UserError(f"resume: {shown} was trained with data.{key}={saved}, this run has data.{key}={now}: "
+                                "the order of the samples over the shards depends on it, so the resumed epoch would "
+                                "repeat some samples and skip others; set it back, or start a new run "
+                                "(model.init_from takes the weights)")
+    saved_ema = (meta["config"].get("train") or {}).get("ema_decay")
+    if bool(saved_ema) != bool(config.train.ema_decay):  # the EMA is a part of the checkpoint, saved or not
+        raise UserError(f"resume: {shown} was saved with train.ema_decay={spelled(saved_ema)}, this run has "
+                        f"train.ema_decay={spelled(config.train.ema_decay)}: an EMA of the weights is saved and "
+                        "restored with the checkpoint, so it cannot be added or dropped on the way; set it as the "
+                        "checkpoint had it, or start a new run (model.init_from takes the weights)")
+
+
+def reseed_processes(seed: int, step: int, accelerator: Accelerator) -> None:
+    """After loading a checkpoint of another world size: each process's own random streams (dropout) anew from
+    (seed, process, step), since the saved streams were those of other processes."""
+    from accelerate.utils import set_seed
+
+    digest = hashlib.sha256(f"{seed}:{accelerator.process_index}:{step}".encode()).digest()
+    set_seed(int.from_bytes(digest[:4], "little"))
+
+
+def note_schedule_changes(shown: str, meta: dict, config: Config, accelerator: Accelerator) -> None:
+    """The scheduler's state (LRFactor's settings, base LRs) loads with the checkpoint, so say what it overrides."""
+    saved, ours = meta["config"]["train"], config.to_dict()["train"]
+    keys = ["lr", "schedule", "lr_gamma", "lr_step_epochs", "warmup_steps"]
+    if ours["schedule"] == "cosine":  # the only schedule whose shape depends on the run's length
+        keys += ["epochs", "max_steps"]
+    changed = [f"train.{key} {saved.get(key)} -> {ours[key]}" for key in keys if saved.get(key) != ours[key]]
+    if changed:
+        warn(accelerator, f"resuming {shown}: the LR schedule continues as saved there, ignoring "
+                           f"{', '.join(changed)}")
+
+
+def linked(fetched: Path, folder: Path, meta: dict) -> str | None:
+    """The files this machine's first process fetched (`fetched`), in `folder`; what is wrong, or None."""
+    for name in meta["files"]:
+        source, path = fetched / name, folder / name
+        if not source.is_file():
+            return f"{name} was not fetched from the store (by the first process on this machine)"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        try:
+            os.link(source, path)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(source, path)
+    return None
+
+
+def damage(folder: Path, meta: dict) -> str | None:
+    for name, size in meta["files"].items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def load_checkpoint(accelerator: Accelerator, folder: Path) -> tuple[str | None, str | None]:
+    """Load a checkpoint: (what is damaged, None), or (None, an error that is not damage), or (None, None)."""
+    try:
+        # weights_only: the optimizer, scheduler and RNG files are pickles; only tensors and plain data may load.
+        accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
+    except Exception as err:
+        text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return (text, None) if is_damage(err) else (None, text)
+    return None, None
+
+
+def is_damage(err: Exception) -> bool:
+    """Whether a load error means a file's bytes do not decode, rather than an API or a class that differs."""
+    from safetensors import SafetensorError
+
+    if isinstance(err, PermissionError):  # a file we may not read is whole: say so rather than skip it
+        return False
+    if isinstance(err, (SafetensorError, EOFError, OSError)):
+        return True
+    if isinstance(err, pickle.UnpicklingError):  # torch's weights-only unpickler: garbage, or a class it refuses
+        return "Unsupported global" not in str(err)
+    return isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)  # torch's zip reader
+
+
+def fetch_once_per_machine(accelerator: Accelerator, mirror: Mirror, folder: Path, meta: dict) -> str | None:
+    """A committed checkpoint's objects from the store into staging, once per machine: the machine's first process
+    downloads them into a folder its processes share, and each process links them into its own staging (a hard
+    link, else a copy). What is wrong, or None."""
+    fetched = mirror.fetched / folder.name
+    trouble = download(mirror, fetched, folder.name, meta) if accelerator.is_local_main_process else None
+    accelerator.wait_for_everyone()
+    if trouble is None:
+        trouble = linked(fetched, folder, meta)
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process:
+        shutil.rmtree(fetched, ignore_errors=True)
+    return trouble
+
+
+def download(mirror: Mirror, into: Path, name: str, meta: dict) -> str | None:
+    """Each object of checkpoint `name`, checked against its manifest's size and sha256; what is wrong, or None."""
+    hashes = meta.get("sha256") or {}
+    for file, size in meta["files"].items():
+        path = into / file
+        try:
+            mirror.store.get(f"{CHECKPOINTS_DIR}/{name}/{file}", path)
+        except FileNotFoundError:
+            return f"{file} is missing in the store"
+        if path.stat().st_size != size or sha256_of(path) != hashes.get(file):
+            return f"{file} in the store is not the one its manifest describes (size or sha256)"
+    return None
+
+
+def merged_loop_states(states: dict, folder: Path, meta: dict) -> dict:
+    """Each part's state for this process from a checkpoint of another world size: a part whose state differs per
+    process (the train meter's partial sums) merges the saved processes' states (`merge_states`); any other part is
+    the same on every process, and process 0's is taken."""
+    saved = [read_loop_state(folder, process, meta) for process in range(meta["world_size"])]
+    merged = {}
+    for name, part in states.items():
+        states_saved = [state.get(name) for state in saved]
+        if any(state is None for state in states_saved):
+            continue
+        merge = getattr(part, "merge_states", None)
+        merged[name] = merge(states_saved) if merge is not None else states_saved[0]
+    return merged
