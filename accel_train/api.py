@@ -34,7 +34,7 @@ from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint_files import read_meta
 from accel_train.run.folder import check_output_dir, refusals_leave_no_folder
 from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
-from accel_train.run.location import RunPlace, readable_run
+from accel_train.run.location import RunPlace, readable_run, run_folder_patience
 from accel_train.run.resume import check_resume
 from accel_train.run.tracking import tracker_names
 from accel_train.storage import check_url_form, is_remote
@@ -82,7 +82,7 @@ def check_training(config: Config, place: RunPlace, task: Task | None = None) ->
                           ("model.init_from", config.model.init_from)):
         check_url_form(location, key)  # s3:/bucket would become a local folder named "s3:"
     trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
-    place.open(config.data.store_patience_s)  # a URL: the store checked, staging pulled from it
+    place.open(run_folder_patience(config))  # a URL: the store checked, staging pulled from it
     check_resume(config, place)  # before the folder is made
     if config.model.init_from:
         from accel_train.run.weights import weights_file

@@ -235,6 +235,10 @@ class CheckpointConfig:
                                within=POSITIVE)
     require_upload: bool = doc("output_dir at a URL: a checkpoint that cannot reach the store stops the run (exit 3) "
                                "instead of a warning and the next save trying again", default=False)
+    store_patience_s: float | None = doc("output_dir at a URL: how long each read and write of the run folder retries "
+                                         "a store that does not answer before it gives up (a save then warns, or "
+                                         "stops the run with require_upload); unset: data.store_patience_s",
+                                         default=None, within=POSITIVE)
 
 
 @dataclass

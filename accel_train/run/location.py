@@ -254,6 +254,11 @@ class RunPlace:
             self.mirror.sync_soon()
 
 
+def run_folder_patience(config) -> float:
+    """How long the run folder's reads and writes retry a store (checkpoint.store_patience_s, else the data's)."""
+    return config.checkpoint.store_patience_s or config.data.store_patience_s
+
+
 def open_run(output_dir: str, patience_s: float) -> RunPlace:
     """The place of the run at output_dir, opened (RunPlace.open)."""
     return RunPlace(output_dir).open(patience_s)

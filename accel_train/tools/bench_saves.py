@@ -18,7 +18,7 @@ from pathlib import Path
 
 from accel_train.config import load_config
 from accel_train.console import say
-from accel_train.run.location import open_run
+from accel_train.run.location import open_run, run_folder_patience
 from accel_train.storage import Store
 
 
@@ -52,14 +52,14 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
             for path in folder.iterdir():
                 fsync(path)
             if url:
-                store = Store(f"{url.rstrip('/')}/sync-{repeat}", "output_dir", config.data.store_patience_s)
+                store = Store(f"{url.rstrip('/')}/sync-{repeat}", "output_dir", run_folder_patience(config))
                 for path in sorted(folder.iterdir()):
                     store.put(path, path.name)
             synchronous.append(time.perf_counter() - began)
 
         # One run's saves, as training makes them: the first allocates the host buffers, the others reuse them.
         run_url = f"{url.rstrip('/')}/background" if url else str(scratch / "background")
-        place = open_run(run_url, config.data.store_patience_s)
+        place = open_run(run_url, run_folder_patience(config))
         checkpoints = Checkpoints(load_config(recipe, [*overrides, f"output_dir={run_url}"]), accelerator, place,
                                   prepared=Prepared(models=[model], optimizers=[optimizer]))
         with checkpoints:

@@ -323,6 +323,21 @@ def test_a_store_down_at_a_save_is_one_warning_and_training_goes_on_unless_uploa
         required.stderr[-3000:]
 
 
+def test_the_run_folder_retries_the_store_for_its_own_patience_key_else_the_datas(object_store, tmp_path,
+                                                                                  monkeypatch):
+    from accel_train import api
+    from accel_train.config import load_config
+    from accel_train.run.location import RunPlace
+
+    monkeypatch.setenv("ACCEL_TRAIN_STAGING", str(tmp_path))
+    for given, patience in ((["checkpoint.store_patience_s=2", "data.store_patience_s=60"], 2),
+                            (["data.store_patience_s=7"], 7)):
+        config = load_config("mnist_cnn", [f"output_dir={object_store.url('runs/patient')}", *given])
+        place = RunPlace(config.output_dir)
+        api.check_training(config, place)
+        assert place.mirror.store.patience_s == patience, given
+
+
 @pytest.mark.parametrize("problem", ["unknown bucket", "no credentials"])
 def test_an_unreachable_run_folder_is_one_line_and_exit_2_before_any_training(problem, object_store, tmp_path,
                                                                               monkeypatch):
