@@ -82,7 +82,7 @@ from accel_train.run.resume import (
     resume_position,
 )
 from accel_train.state import Progress, ResumePoint
-from accel_train.storage import StoreUnavailable, join
+from accel_train.storage import StoreUnavailable
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -214,9 +214,7 @@ class Checkpoints:
 
     def where(self, folder: Path) -> str:
         """A checkpoint folder as the user knows it: its URL for a run folder in a store."""
-        if self.mirror is None:
-            return str(folder)
-        return join(self.mirror.url, CHECKPOINTS_DIR, *([folder.name] if folder != self.directory else []))
+        return self.place.shown(folder)
 
     def settle(self, bound_s: float | None = None, at_end: bool = False) -> None:
         """Wait (at most `bound_s`, else checkpoint.upload_wait_s) for the pending save: its checkpoint_saved hook
