@@ -22,6 +22,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Test files run in parallel, one file per worker (its module fixtures are built once): as many workers as
 # cores, at most 4, since one test may start several training processes.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+# The tests write bytecode (into __pycache__/, which git ignores) even where the shell sets PYTHONDONTWRITEBYTECODE:
+# otherwise each of the hundreds of processes the suite starts compiles the package again, and each pytest worker
+# rewrites the asserts of every test module again.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 
 # The GPU machine's python3 (3.12, torch, accelerate, torchvision, pandas, pyarrow, xxhash, fsspec, huggingface-hub,
 # pytest, pytest-xdist, ...) lacks these of accel-train's dependencies and theirs, nothing else: datasets and evaluate
@@ -64,12 +68,12 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install data lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(MAKE) --no-print-directory test-min
 
 # The tests that start no process (tests/support/processes.py marks the others `processes`, from the code they run).
 test-fast: install data lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m 'not processes and not store'
+	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile -m 'not processes and not store'
 
 # Every direct dependency at its declared floor (uv's lowest-direct resolution), the test tools (the dev extra)
 # at theirs too, beside the torch and torchvision of $(VENV) (older wheels are not installable everywhere: their
@@ -79,7 +83,7 @@ test-min: install data
 	$(UV) venv --quiet --python $(BIN)/python $(MIN_VENV)
 	$(UV) pip install --quiet --compile-bytecode --python $(MIN_VENV)/bin/python --resolution lowest-direct -e '.[tensorboard,dev]' \
 		$$($(UV) pip freeze --python $(BIN)/python | grep -E '^torch(vision)?==')
-	ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
+	env -u PYTHONDONTWRITEBYTECODE ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
 
 # One-off, not in CI: about 10 minutes, and it edits the working tree while it runs (restoring every file).
 mutations: install

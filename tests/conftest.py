@@ -15,11 +15,15 @@ if os.environ.get("ACCEL_TRAIN_TESTS_SEE_GPU") != "1":
 
 # torch's import asks ldconfig once for system libraries (cuda.pathfinder): done here, before any test, so that the
 # test that happens to import torch first is not taken for one that starts a process.
-import torch  # noqa: F401
+import torch
 
 from support import processes
 from support.nodes import two_network_namespaces
 from support.object_store import object_store_for_module, object_store_for_test
+
+# One CPU thread in each pytest process, as in every command a test starts (support.commands: OMP_NUM_THREADS=1):
+# make test runs one worker a core, and two threads each on two cores made the in-process runs 1.1 to 5 times slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +34,12 @@ def two_hosts():
 
 
 @pytest.fixture
-def object_store(monkeypatch):
+def object_store(monkeypatch, request):
     """An empty S3 store on 127.0.0.1 with one bucket, reached through a counting, fault-injecting proxy, and
     os.environ pointing there for the test (support.object_store.ObjectStore). Starts no process."""
+    if not request.node.get_closest_marker("store"):  # taken by request.getfixturevalue: no mark from its name
+        pytest.fail("this test takes the S3 store by name without the `store` mark, so make test-fast would run it: "
+                    "give the case that takes it marks=pytest.mark.store", pytrace=False)
     with object_store_for_test(monkeypatch) as store:
         yield store
 

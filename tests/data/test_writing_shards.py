@@ -72,8 +72,9 @@ def puts(object_store, named: str = "") -> list[str]:
 
 
 @needs_fashion_mnist
-@pytest.mark.parametrize("where, images, member", [("folder", "auto", "pixels.npy"), ("s3", "auto", "pixels.npy"),
-                                                   ("folder", "as_given", "png")])
+@pytest.mark.parametrize("where, images, member", [  # the s3 case takes its store by name
+    ("folder", "auto", "pixels.npy"), pytest.param("s3", "auto", "pixels.npy", marks=pytest.mark.store),
+    ("folder", "as_given", "png")])
 def test_shards_written_to_a_folder_or_to_s3_hold_every_train_and_test_sample_of_the_source_pixel_for_pixel(
         where, images, member, source, tmp_path, request):
     """The registry's images are stored as raw pixels unless images=as_given asks for PNG files."""

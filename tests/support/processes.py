@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import dis
+import functools
 import inspect
 import os
 import pty
@@ -148,35 +149,71 @@ _STARTERS = {id(starter) for starter in (
 def starts_processes(item: pytest.Item) -> bool:
     """Whether the code `item` runs (the test, its fixtures and parameters, and the code of tests/ they name)
     names a way to start a process."""
-    seen: set = set()
+    walk = _Walk()
     named = [item.obj, *getattr(getattr(item, "callspec", None), "params", {}).values()]
     named += [fixture.func for name in item.fixturenames
               for fixture in item._fixtureinfo.name2fixturedefs.get(name, ())]
-    return any(_starts(thing, seen) for thing in named)
+    return any(_starts(thing, walk) for thing in named)
 
 
-def _starts(thing, seen: set) -> bool:
+class _Walk:
+    """The code one test's walk has met (a function met again is not read again), and how often it met one again."""
+
+    def __init__(self):
+        self.seen: set = set()
+        self.met_again = 0
+
+
+def _starts(thing, walk: _Walk) -> bool:
     """Whether `thing` is a way to start a process, or code of tests/ that names one."""
     if id(thing) in _STARTERS:
         return True
+    if isinstance(thing, _Inner):
+        return _code_starts(thing.code, thing.namespace, walk)
     if isinstance(thing, (list, tuple, set, frozenset, dict)):
-        return any(_starts(part, seen) for part in (thing.values() if isinstance(thing, dict) else thing))
+        return any(_starts(part, walk) for part in (thing.values() if isinstance(thing, dict) else thing))
     if isinstance(thing, type) and _in_tests(getattr(sys.modules.get(thing.__module__), "__file__", None)):
-        return any(_starts(member, seen) for member in vars(thing).values())
+        return any(_starts(member, walk) for member in vars(thing).values())
     function = inspect.unwrap(getattr(thing, "__func__", thing)) if callable(thing) else None
     code = getattr(function, "__code__", None)
-    return code is not None and _in_tests(code.co_filename) and _code_starts(code, function.__globals__, seen)
+    return code is not None and _in_tests(code.co_filename) and _code_starts(code, function.__globals__, walk)
 
 
+@functools.cache
 def _in_tests(filename: str | None) -> bool:
     """Whether `filename` is in tests/ or a folder under it (support/, the test folders)."""
     return filename is not None and Path(filename).resolve().is_relative_to(TESTS)
 
 
-def _code_starts(code, namespace: dict, seen: set) -> bool:
-    if code in seen:
+# (code, its namespace) -> whether it starts a process, kept across tests: found once, or known not to once read to
+# the end without meeting code its walk had met (a False below that may stand only for the first meeting's answer)
+_STARTS: dict = {}
+
+
+def _code_starts(code, namespace: dict, walk: _Walk) -> bool:
+    key = (code, id(namespace))
+    if key in _STARTS:
+        return _STARTS[key]
+    if code in walk.seen:
+        walk.met_again += 1
         return False
-    seen.add(code)
+    walk.seen.add(code)
+    met_again = walk.met_again
+    starts = any(_starts(named, walk) for named in _named_by(code, namespace))
+    if starts or walk.met_again == met_again:
+        _STARTS[key] = starts
+    return starts
+
+
+_NAMED_BY: dict = {}  # code -> what it names: each function is read once, not once per test that reaches it
+
+
+def _named_by(code, namespace: dict) -> list:
+    """What `code` (and the functions and classes defined in it) loads by name: globals, modules, their attributes."""
+    key = (code, id(namespace))
+    if key in _NAMED_BY:
+        return _NAMED_BY[key]
+    named = []
     current = imported = None
     for instruction in dis.get_instructions(code):
         operation, name = instruction.opname, instruction.argval
@@ -192,6 +229,15 @@ def _code_starts(code, namespace: dict, seen: set) -> bool:
             current = getattr(current, name, None)
         else:
             current = None
-        if current is not None and _starts(current, seen):
-            return True
-    return any(_code_starts(const, namespace, seen) for const in code.co_consts if inspect.iscode(const))
+        if current is not None:
+            named.append(current)
+    named += [_Inner(const, namespace) for const in code.co_consts if inspect.iscode(const)]
+    _NAMED_BY[key] = named
+    return named
+
+
+class _Inner:
+    """A function or class body defined inside another, read with the namespace of the code around it."""
+
+    def __init__(self, code, namespace: dict):
+        self.code, self.namespace = code, namespace
