@@ -13,17 +13,22 @@ import pytest
 if os.environ.get("ACCEL_TRAIN_TESTS_SEE_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-# torch's import asks ldconfig once for system libraries (cuda.pathfinder): done here, before any test, so that the
-# test that happens to import torch first is not taken for one that starts a process.
-import torch
-
 from support import processes
 from support.nodes import two_network_namespaces
 from support.object_store import object_store_for_module, object_store_for_test
 
-# One CPU thread in each pytest process, as in every command a test starts (support.commands: OMP_NUM_THREADS=1):
-# make test runs one worker a core, and two threads each on two cores made the in-process runs 1.1 to 5 times slower.
-torch.set_num_threads(1)
+
+def pytest_configure(config):
+    if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no test: its workers (each a process) do, and each comes here
+    # torch's import asks ldconfig once for system libraries (cuda.pathfinder): done here, before any test, so that
+    # the test that happens to import torch first is not taken for one that starts a process.
+    import torch
+
+    # One CPU thread in each process that runs tests, as in every command a test starts (OMP_NUM_THREADS=1, in
+    # support.commands): make test runs one worker a core, and two threads each on two cores made the in-process
+    # runs 1.1 to 5 times slower.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
