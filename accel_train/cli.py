@@ -335,6 +335,11 @@ def _run(args: argparse.Namespace) -> None:
         if args.demand is not None and not args.input:
             raise UserError(f"bench: --demand {args.demand:g} goes with --input (the input bench); add --input, or "
                             "leave it out")
+        from accel_train.storage import check_location
+
+        for option, location in (("--saves-into", args.saves_into), ("--shards", args.shards)):
+            if location:  # s3:/bucket would become a local folder named "s3:"
+                check_location(location, f"bench {option}")
         if args.saves_into and not args.saves:
             raise UserError(f"bench: --saves-into {args.saves_into} goes with --saves (the save benchmark); add "
                             "--saves, or leave it out")

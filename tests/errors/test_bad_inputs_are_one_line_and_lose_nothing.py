@@ -118,6 +118,10 @@ MISTYPED_URLS = {  # (the command, what its one line says) of a location the use
     "sweep output_dir": (["sweep", "mnist_cnn", "--trials", "1", "--metric", "accuracy",
                           "train.lr=loguniform(1e-3,1e-1)", "output_dir=s3:/bucket/sweep"],
                          "output_dir=s3:/bucket/sweep: not a URL"),
+    "bench --saves-into": (["bench", "--saves", "--saves-into", "s3:/bucket/saves", "mnist_cnn", "data.synthetic=true"],
+                           "bench --saves-into=s3:/bucket/saves: not a URL"),
+    "bench --shards": (["bench", "--shards", "s3://", "mnist_cnn", "data.synthetic=true"],
+                       "bench --shards=s3://: the URL names no bucket"),
 }
 
 

@@ -485,6 +485,11 @@ MUTATIONS = [
              "made = to_model_input(images[None] if one else images, self.size, mean, std)",
              "made = to_model_input(images[None] if one else images, None, mean, std)",
              ("tests/data/test_shards_made_to_be_read_fast.py::test_the_registrys_uint8_pixels_finished_on_the_device_are_the_float_paths_inputs",)),
+    Mutation("bench --saves-into and --shards take a mistyped URL (s3:/bucket) for a local folder",
+             "accel_train/cli.py",
+             "            if location:  # s3:/bucket would become a local folder named \"s3:\"",
+             "            if False:",
+             ("tests/errors/test_bad_inputs_are_one_line_and_lose_nothing.py::-k mistyped_url and bench",)),
 ]
 
 
