@@ -602,9 +602,18 @@ def mutated(mutation: Mutation, repo: Path = REPO):
                          "update tests/mutations/run.py")
     try:
         path.write_text(source.replace(mutation.original, mutation.broken))
+        _forget_bytecode(path)
         yield
     finally:
         path.write_text(source)
+        _forget_bytecode(path)
+
+
+def _forget_bytecode(path: Path) -> None:
+    """Removes the file's compiled copies (Python's, and pytest's with rewritten asserts): one compiled in the same
+    second from a file of the same size is taken as current, and would run the other version of the file."""
+    for compiled in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+        compiled.unlink(missing_ok=True)
 
 
 def main(argv: list[str], mutations: list[Mutation] = MUTATIONS, repo: Path = REPO) -> int:

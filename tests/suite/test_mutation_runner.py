@@ -51,6 +51,7 @@ def repo(tmp_path):
     root.mkdir()
     (root / "answer.py").write_text(ANSWER)
     (root / "test_answer.py").write_text(TEST)
+    (root / ".gitignore").write_text("__pycache__/\n")  # as in a real repository: the tests write bytecode
     git(root, "init", "-q")
     git(root, "add", ".")
     git(root, "commit", "-q", "-m", "answer")
@@ -185,3 +186,31 @@ def test_every_mutation_breaks_text_found_once_in_its_file_and_names_tests_that_
             name = rest.split("[")[0]
             if name and not name.startswith("-k "):
                 assert f"def {name}(" in (repo / path).read_text(), (mutation.name, test)
+
+
+def test_the_mutated_and_the_restored_file_run_as_written_though_bytecode_of_the_other_looks_current(repo):
+    """Python takes a file's bytecode as current when the file's size and modification second match it: a mutation
+    of the same size written within the second its original was compiled (or restored within the second the mutated
+    file was) would otherwise run the other version, the mutation uncaught or the source left broken."""
+    spec = importlib.util.spec_from_file_location("mutation_runner", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = runner  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(runner)
+    finally:
+        del sys.modules[spec.name]
+    answer = repo / "answer.py"
+    second = (int(time.time()) - 100) * 10**9
+
+    def imported_answer() -> str:
+        """The answer a new process imports, the file's modification time set to `second` first, as if every write
+        had happened within it; that process writes its bytecode."""
+        os.utime(answer, ns=(second, second))
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+        return subprocess.run([sys.executable, "-c", "import answer; print(answer.ANSWER)"], cwd=repo, env=env,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    assert imported_answer() == "42" and list((repo / "__pycache__").glob("answer.*.pyc"))
+    with runner.mutated(runner.Mutation("the answer broken", "answer.py", "ANSWER = 42", "ANSWER = 41", ()), repo):
+        assert imported_answer() == "41"
+    assert imported_answer() == "42"
