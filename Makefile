@@ -25,7 +25,8 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4;
 # The tests write bytecode (into __pycache__/, which git ignores) even where the shell sets PYTHONDONTWRITEBYTECODE:
 # otherwise each of the hundreds of processes the suite starts compiles the package again, and each pytest worker
 # rewrites the asserts of every test module again.
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
+WRITE_BYTECODE := env -u PYTHONDONTWRITEBYTECODE
+PYTEST := $(WRITE_BYTECODE) $(BIN)/python -m pytest
 
 # The GPU machine's python3 (3.12, torch, accelerate, torchvision, pandas, pyarrow, xxhash, fsspec, huggingface-hub,
 # pytest, pytest-xdist, ...) lacks these of accel-train's dependencies and theirs, nothing else: datasets and evaluate
@@ -83,7 +84,7 @@ test-min: install data
 	$(UV) venv --quiet --python $(BIN)/python $(MIN_VENV)
 	$(UV) pip install --quiet --compile-bytecode --python $(MIN_VENV)/bin/python --resolution lowest-direct -e '.[tensorboard,dev]' \
 		$$($(UV) pip freeze --python $(BIN)/python | grep -E '^torch(vision)?==')
-	env -u PYTHONDONTWRITEBYTECODE ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
+	$(WRITE_BYTECODE) ACCEL_TRAIN_AT_FLOORS=1 $(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m floors -p no:cacheprovider
 
 # One-off, not in CI: about 10 minutes, and it edits the working tree while it runs (restoring every file).
 mutations: install

@@ -59,6 +59,18 @@ def repo(tmp_path):
     return root
 
 
+def loaded_runner():
+    """tests/mutations/run.py as a module, for its functions."""
+    spec = importlib.util.spec_from_file_location("mutation_runner", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = runner  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(runner)
+    finally:
+        del sys.modules[spec.name]
+    return runner
+
+
 def run_here(repo: Path, capsys, *args: str) -> tuple[int, str, str]:
     """The runner's main() in this process, on `repo` with the one fake mutation."""
     spec = importlib.util.spec_from_file_location("mutation_runner", RUNNER)
@@ -157,13 +169,7 @@ def alive(pid: int) -> bool:
 
 
 def test_the_baseline_checks_every_k_selection_on_its_own_since_pytest_keeps_only_the_last_k():
-    spec = importlib.util.spec_from_file_location("mutation_runner", RUNNER)
-    runner = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = runner  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(runner)
-    finally:
-        del sys.modules[spec.name]
+    runner = loaded_runner()
     tests = ("tests/a.py::-k one", "tests/b.py::test_x", "tests/c.py::-k two", "tests/d.py")
     batches = runner.baseline_batches(tests)
     assert batches == [("tests/b.py::test_x", "tests/d.py"), ("tests/a.py::-k one",), ("tests/c.py::-k two",)]
@@ -173,10 +179,7 @@ def test_the_baseline_checks_every_k_selection_on_its_own_since_pytest_keeps_onl
 def test_every_mutation_breaks_text_found_once_in_its_file_and_names_tests_that_exist():
     """A row whose text moved (a renamed function, a module split) would break nothing and be reported caught only
     by luck, or not run at all; a row naming a test that no longer exists would select none."""
-    spec = importlib.util.spec_from_file_location("mutation_rows", RUNNER)
-    rows = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = rows
-    spec.loader.exec_module(rows)
+    rows = loaded_runner()
     repo = RUNNER.parents[2]
     for mutation in rows.MUTATIONS:
         assert (repo / mutation.file).read_text().count(mutation.original) == 1, mutation.name
@@ -192,13 +195,7 @@ def test_the_mutated_and_the_restored_file_run_as_written_though_bytecode_of_the
     """Python takes a file's bytecode as current when the file's size and modification second match it: a mutation
     of the same size written within the second its original was compiled (or restored within the second the mutated
     file was) would otherwise run the other version, the mutation uncaught or the source left broken."""
-    spec = importlib.util.spec_from_file_location("mutation_runner", RUNNER)
-    runner = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = runner  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(runner)
-    finally:
-        del sys.modules[spec.name]
+    runner = loaded_runner()
     answer = repo / "answer.py"
     second = (int(time.time()) - 100) * 10**9
 
