@@ -13,7 +13,7 @@ import pytest
 if os.environ.get("ACCEL_TRAIN_TESTS_SEE_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from support import processes
+from support import commands, processes
 from support.nodes import two_network_namespaces
 from support.object_store import object_store_for_module, object_store_for_test
 
@@ -61,6 +61,7 @@ def module_object_store():
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item):
     processes.track()
+    commands.preloading = not item.get_closest_marker("fresh_interpreters")
     return (yield)
 
 

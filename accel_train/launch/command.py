@@ -148,9 +148,26 @@ def join(ip: str, port: int, rank: int, machines: int, deadline: float, give_up:
 
 def leave(store, rank: int, machines: int) -> None:
     """Machine 0 closes the meeting only after the others have left it, so the port is free for accelerate
-    launch's own rendezvous on machine 0 (the others then retry until it listens)."""
+    launch's own rendezvous on machine 0 (the others then retry until it listens). The others hand over only once the
+    meeting has closed: a launcher that starts at once (a warm interpreter) would otherwise take the meeting for the
+    rendezvous, and lose it when machine 0 closes it."""
     if rank:
         store.add(f"{KEY}/left", 1)
+        deadline = time.monotonic() + 30
+        sys.stderr.flush()
+        error_output = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)  # torch logs the closed connection with a C++ stack trace
+        os.close(null)
+        try:
+            while time.monotonic() < deadline:
+                store.check([f"{KEY}/left"])
+                time.sleep(0.05)
+        except Exception:  # torch's DistNetworkError, RuntimeError: machine 0 closed the meeting
+            pass
+        finally:
+            os.dup2(error_output, 2)
+            os.close(error_output)
         return
     deadline = time.monotonic() + 30
     while int(store.add(f"{KEY}/left", 0)) < machines - 1 and time.monotonic() < deadline:

@@ -58,8 +58,9 @@ def train(config: Config, task: Task, trackers: list[str], place: RunPlace, *, m
     accelerator, model, progress, guard, meter = run.accelerator, run.model, run.progress, run.guard, run.meter
     # SIGTERM / SIGINT are agreed on; a process without progress is named (train.stuck_after_s); the observers
     # close however training ends (a stop line starts a line of its own)
-    # ... and however it ends, the pending checkpoint is committed and the run's files are in a store, within a bound
-    with run.checkpoints, run.signals as signals, run.observers as observers, run.watchdog:
+    # ... and however it ends, the pending checkpoint is committed and the run's files are in a store, within a bound,
+    # while a signal still only records: torch's launcher sends SIGTERM to the others as soon as one process exits 75
+    with run.signals as signals, run.checkpoints, run.observers as observers, run.watchdog:
         observers.on_train_start(run.state)
         for progress.epoch in run.epochs():
             model.train()

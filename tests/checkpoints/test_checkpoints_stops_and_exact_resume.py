@@ -177,6 +177,7 @@ def test_a_second_signal_during_the_save_does_not_cut_the_checkpoint_short(tmp_p
     assert "exitcode  : 75" in result.stderr and "KeyboardInterrupt" not in result.stderr
 
 
+@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 def test_ctrl_c_before_training_starts_exits_130_in_silence(tmp_path):
     log = tmp_path / "log"
     job = start([PYTHON, "-m", "accel_train", *RUN, f"output_dir={tmp_path}"], log)
@@ -188,6 +189,7 @@ def test_ctrl_c_before_training_starts_exits_130_in_silence(tmp_path):
     assert "Traceback" not in log.read_text() and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 def test_a_hung_process_fails_the_others_at_collective_timeout_s(tmp_path):
     # The collective timeout alone (its own contract): without the watchdog, which would name the stopped process
     # at half of it (distributed/test_a_stuck_process_is_named.py).
@@ -210,6 +212,7 @@ def test_a_hung_process_fails_the_others_at_collective_timeout_s(tmp_path):
     print(f"\nhung process, train.collective_timeout_s={timeout_s}: the others failed {noticed:.1f} s later")
 
 
+@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 def test_a_killed_worker_fails_the_job_within_60_s(tmp_path):
     # Resuming from its checkpoints is the self-healing tests' (below), which end bit for bit as one run.
     log = tmp_path / "log"
@@ -234,6 +237,7 @@ SELF_HEALING = {
 }
 
 
+@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 @pytest.mark.parametrize("launcher", SELF_HEALING)
 def test_a_killed_worker_is_restarted_by_the_launcher_and_the_run_ends_as_if_never_interrupted(
         launcher, reference, tmp_path):

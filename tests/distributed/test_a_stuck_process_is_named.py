@@ -91,6 +91,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 @pytest.mark.parametrize("processes", [2, 1], ids=["process 1 of 2 under accelerate launch", "a plain process"])
 def test_a_dataloader_worker_blocked_in_getitem_is_named_its_stacks_written_and_it_ends_with_the_job(tmp_path,
                                                                                                       processes):

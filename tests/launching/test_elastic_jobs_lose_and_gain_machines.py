@@ -84,6 +84,7 @@ def logs(folder) -> str:
 LOSSES = {"killed": (signal.SIGKILL, 30), "stopped answering": (signal.SIGSTOP, 8)}
 
 
+@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 @pytest.mark.parametrize("loss", LOSSES)
 def test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_finishes(loss, tmp_path):
     how, collective_timeout_s = LOSSES[loss]
@@ -177,6 +178,7 @@ def test_the_slurm_script_with_min_nodes_runs_the_elastic_torchrun_command_on_ev
     assert srun_options == ["--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"], "a lost node ends no other"
 
 
+@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 def test_a_job_with_its_run_folder_in_object_storage_loses_a_machine_and_the_survivor_resumes_from_the_store(
         object_store, tmp_path):
     """No shared folder: each machine stages the run on its own disk (ACCEL_TRAIN_STAGING), and the survivor's restart

@@ -490,6 +490,15 @@ MUTATIONS = [
              "            if location:  # s3:/bucket would become a local folder named \"s3:\"",
              "            if False:",
              ("tests/errors/test_bad_inputs_are_one_line_and_lose_nothing.py::-k mistyped_url and bench",)),
+    Mutation("a stopping process restores the default signal handlers before its checkpoint is committed",
+             "accel_train/training/loop.py",
+             "    with run.signals as signals, run.checkpoints, run.observers as observers, run.watchdog:",
+             "    with run.checkpoints, run.signals as signals, run.observers as observers, run.watchdog:",
+             ("tests/run_folder/test_run_folder_in_object_storage.py::-k sigterm_stops_a_run_of_2 and bucket",)),
+    Mutation("machine 1 hands over to accelerate launch while machine 0's meeting still listens",
+             "accel_train/launch/command.py", "        store.add(f\"{KEY}/left\", 1)\n        deadline",
+             "        store.add(f\"{KEY}/left\", 1)\n        return\n        deadline",
+             ("tests/launching/test_multi_machine_start.py::test_accel_train_launch_waits_for_a_late_main_machine_saying_so_then_trains_like_one_process",)),
 ]
 
 

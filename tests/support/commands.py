@@ -23,17 +23,87 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PRELOADED = Path(__file__).parent / "preloaded"
+FRESH = "ACCEL_TRAIN_TESTS_FRESH_INTERPRETERS"  # set to 1: every command a fresh interpreter, as before the server
+_server: dict = {}  # this pytest worker's preloaded interpreter: its socket and process, once started
+preloading = True  # conftest.py turns it off for a test marked fresh_interpreters
+_ENV_AT_START = dict(os.environ)  # the server's, before any test set a variable of its own
+
+
+def preloaded_interpreter() -> dict:
+    """The variables that hand a command to this worker's preloaded interpreter (support/preloaded/server.py),
+    starting it at the first command; none where preloading is off. A command that comes before the server listens
+    starts as usual."""
+    if not preloading or os.environ.get(FRESH) == "1":
+        return {}
+    if not _server:
+        import atexit
+        import shutil
+        import tempfile
+
+        from support.processes import _PLAIN_POPEN  # the server serves every test: no test's to end
+
+        folder = Path(tempfile.mkdtemp(prefix="accel-train-preloaded-"))
+        address = str(folder / "socket")
+        with open(folder / "log", "w") as log:
+            process = _PLAIN_POPEN([PYTHON, str(PRELOADED / "server.py"), address], cwd=REPO,
+                                   env=_plain_env(_ENV_AT_START),
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+        def end_server():
+            process.terminate()
+            process.wait(timeout=10)
+            if os.environ.get("ACCEL_TRAIN_TESTS_KEEP_PRELOADED_LOG") != "1":
+                shutil.rmtree(folder, ignore_errors=True)
+
+        atexit.register(end_server)
+        _server.update(process=process, address=address, log=folder / "log")
+    if _server["process"].poll() is not None:  # it refused to start, or died: fresh interpreters from here
+        if not _server.get("said"):
+            import warnings
+
+            _server["said"] = True
+            warnings.warn(f"the preloaded interpreter ended ({_server['log'].read_text()[-2000:]}): every command "
+                          "from here is a fresh interpreter", stacklevel=2)
+        return {}
+    paths = [str(PRELOADED), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"ACCEL_TRAIN_TESTS_PRELOADED": _server["address"], "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def _plain_env(base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.pop("WORLD_SIZE", None)
+    env.pop("ACCEL_TRAIN_TESTS_PRELOADED", None)  # a pytest run by a test starts its own server
+    # HF_DATASETS_OFFLINE follows HF_HUB_OFFLINE where unset; set, a command that sets it (the GPU check's) and one
+    # that does not import `datasets` alike, and so both can be forks of the preloaded interpreter
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""})
+    return env
+
+
 def command_env(extra: dict | None = None) -> dict:
     """The environment a command runs in: this one, one thread, no network, no progress bars, no GPU, plus `extra`.
 
     The GPU is hidden (CUDA_VISIBLE_DEVICES="") because the launched contracts are the CPU's: gloo groups of several
     processes, fp16 profiles falling back to fp32. On a machine with one GPU they would otherwise put 2 or 3
     processes on it. What a GPU changes, `make gpu-check` runs (tools/gpu_check.py)."""
-    env = dict(os.environ)
-    env.pop("WORLD_SIZE", None)
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
-                "CUDA_VISIBLE_DEVICES": "", **(extra or {})})
+    env = _plain_env()
+    preloaded = preloaded_interpreter()
+    if extra and "PYTHONPATH" in extra and preloaded:
+        preloaded["PYTHONPATH"] = os.pathsep.join([str(PRELOADED), extra["PYTHONPATH"]])
+    env.update({**preloaded, **{key: value for key, value in (extra or {}).items()
+                                if key != "PYTHONPATH" or not preloaded}})
     return env
+
+
+def wait_for_preloaded_interpreter(timeout: float = 120) -> bool:
+    """Until this worker's preloaded interpreter listens (False: preloading is off, or it ended: see its log)."""
+    address = preloaded_interpreter().get("ACCEL_TRAIN_TESTS_PRELOADED")
+    deadline = time.monotonic() + timeout
+    while address and not os.path.exists(address) and _server["process"].poll() is None:
+        assert time.monotonic() < deadline, f"the preloaded interpreter is not listening after {timeout} s"
+        time.sleep(0.1)
+    return bool(address) and os.path.exists(address)
 
 
 def run_command(command: list[str], timeout: int, check: bool, env: dict | None = None) -> subprocess.CompletedProcess:
