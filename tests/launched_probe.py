@@ -58,6 +58,8 @@ Faults:
 - PROBE_SIGNALS_AT=STEP makes process 0 send itself SIGTERM during optimizer step STEP, then SIGINT (a second
   signal, as a launcher forwarding Ctrl-C again) as soon as the checkpoint that the first one asked for starts.
 - PROBE_SIGTERM_AT=STEP makes process 0 send itself SIGTERM during optimizer step STEP, and nothing more.
+- PROBE_SLOW_SAVED=STEP:PROCESS:SECONDS makes the checkpoint of STEP end SECONDS later on that process (its
+  checkpoint_saved hook waits): the other processes may end first, and torch's launcher then signals this one.
 - PROBE_WAIT_FOR_SIGNAL=NAME:STEP: in the run whose output_dir is named NAME, every process waits after optimizer
   step STEP until it receives SIGTERM or SIGINT, so that a script that signals the launcher once a line is logged
   stops the run at a known step (with train.eval_every_steps=STEP the processes agree on the signal there). A resume
@@ -124,6 +126,8 @@ def faults_asked(run_name: str) -> list:
         asked.append(faults.FsdpOnCpu())
     if env.get("PROBE_CRASH_AFTER_SAVE"):
         asked.append(faults.CrashAfterSave(whole_number("PROBE_CRASH_AFTER_SAVE")))
+    if env.get("PROBE_SLOW_SAVED"):
+        asked.append(faults.SlowSaved(*numbers("PROBE_SLOW_SAVED", env["PROBE_SLOW_SAVED"], "STEP:PROCESS:SECONDS", 3)))
     if env.get("PROBE_LOAD_API_ERROR"):
         asked.append(faults.LoadApiError())
     if env.get("PROBE_SIGNALS_AT"):

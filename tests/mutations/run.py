@@ -494,7 +494,7 @@ MUTATIONS = [
              "accel_train/training/loop.py",
              "    with run.signals as signals, run.checkpoints, run.observers as observers, run.watchdog:",
              "    with run.checkpoints, run.signals as signals, run.observers as observers, run.watchdog:",
-             ("tests/run_folder/test_run_folder_in_object_storage.py::-k sigterm_stops_a_run_of_2 and bucket",)),
+             ("tests/run_folder/test_run_folder_in_object_storage.py::-k sigterm_stops_a_run_of_2",)),
     Mutation("machine 1 hands over to accelerate launch while machine 0's meeting still listens",
              "accel_train/launch/command.py", "        store.add(f\"{KEY}/left\", 1)\n        deadline",
              "        store.add(f\"{KEY}/left\", 1)\n        return\n        deadline",

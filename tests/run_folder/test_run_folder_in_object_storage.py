@@ -104,10 +104,12 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_mid_epoch_resumes_on_another_machi
 def test_sigterm_stops_a_run_of_2_processes_at_the_step_after_the_one_it_came_in_saving_it(where, object_store,
                                                                                             tmp_path):
     # Process 0 signals itself during step 5, between evaluations (every 7 steps) and saves (every 4): the processes
-    # agree at step 6, whatever the run folder (a bucket's saves are slower, which must not delay the stop).
+    # agree at step 6, whatever the run folder (a bucket's saves are slower, which must not delay the stop). Its save
+    # of step 6 ends 3 s after process 1's: process 1 exits 75 first, torch's launcher sends process 0 SIGTERM, and
+    # process 0 still ends its save and says so.
     out = object_store.url("runs/signalled") if where == "bucket" else str(tmp_path / "run")
-    result = launch(2, *RUN, f"output_dir={out}", script=PROBE, env={**machine(tmp_path, "a"), "PROBE_SIGTERM_AT": "5"},
-                    check=False)
+    result = launch(2, *RUN, f"output_dir={out}", script=PROBE, check=False,
+                    env={**machine(tmp_path, "a"), "PROBE_SIGTERM_AT": "5", "PROBE_SLOW_SAVED": "6:0:3"})
     text = result.stdout + result.stderr
     assert "SIGTERM received by process 0" in text and "exitcode: 75" in text, text[-3000:]  # each worker's exit
     assert f"stopped by SIGTERM at step 6; checkpoint saved in {out}/checkpoints/step-00000006" in text, text[-3000:]

@@ -163,6 +163,18 @@ class CrashAfterSave(hooks.Hooks):
             os._exit(1)
 
 
+class SlowSaved(hooks.Hooks):
+    """The checkpoint of `step` takes `seconds` longer to end on `process` (its checkpoint_saved hook waits): a
+    commit that outlasts the other processes, which may end meanwhile."""
+
+    def __init__(self, step: int, process: int, seconds: int) -> None:
+        self.step, self.process, self.seconds = step, process, seconds
+
+    def checkpoint_saved(self, progress, folder):
+        if progress.step == self.step and this_process() == self.process:
+            time.sleep(self.seconds)
+
+
 class WaitForSignal(hooks.Hooks):
     """After optimizer step `step`, every process waits until it receives SIGTERM or SIGINT (at most `timeout_s`):
     a script that signals the launcher once a line is logged then stops the run at a known step, the first where

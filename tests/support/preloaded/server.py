@@ -193,7 +193,7 @@ def serve(address: str) -> None:
 
     def end(*_):
         for pid in children:
-            os.kill(pid, signal.SIGKILL)
+            kill_group(pid)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, end)
@@ -227,11 +227,17 @@ def serve(address: str) -> None:
             else:  # the command went away (killed, SIGKILL included) while its fork runs: the fork goes too, with
                 pid = key.data[1]  # what it started in its group (DataLoader workers)
                 if pid in children:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    kill_group(pid)
                     selector.unregister(children[pid][0])
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL to a fork and the processes of its group (it leads one once it has begun: setsid)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def start(connection, base, listener, selector, children) -> tuple[int, int] | None:
