@@ -123,7 +123,7 @@ def main_value(value, accelerator: Accelerator):
 
 
 LOST_PEER = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL communicator",
-             "ProcessGroupNCCL", "Broken pipe")
+             "ProcessGroupNCCL", "Broken pipe", "timeout caused pair closure")  # the last: gloo's, from a backward
 
 
 def lost_a_peer(err: BaseException) -> bool:
