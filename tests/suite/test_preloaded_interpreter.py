@@ -105,3 +105,15 @@ def test_a_signal_to_the_command_reaches_its_fork_and_the_fork_ends_with_its_com
         time.sleep(0.05)
     assert not fork.is_running() or fork.status() == psutil.STATUS_ZOMBIE, "the fork outlived its command"
     assert not os.path.exists(f"/proc/{fork.pid}") or fork.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_script_named_relative_to_another_folder_runs_there(script):
+    import subprocess
+
+    from support.commands import command_env
+
+    results = [subprocess.run([PYTHON, "probe.py", "exit 3"], cwd=script, env=command_env(extra), capture_output=True,
+                              text=True, timeout=120) for extra in ({}, FRESH)]
+    preloaded, fresh = ((r.returncode, json.loads(r.stdout.partition("\n")[0]), r.stderr) for r in results)
+    assert preloaded[1].pop("preloaded") and not fresh[1].pop("preloaded")
+    assert preloaded == fresh and preloaded[1]["cwd"] == str(script) and preloaded[0] == 3

@@ -88,8 +88,9 @@ def package_origin(name: str, path: list[str]) -> str | None:
     return None
 
 
-def parse(argv: list[str]) -> tuple[dict, list[str]] | None:
-    """(what to run, its options) from `python [-u] (-m MODULE | SCRIPT) ARGS`; None for anything else."""
+def parse(argv: list[str], cwd: str) -> tuple[dict, list[str]] | None:
+    """(what to run, its options) from `python [-u] (-m MODULE | SCRIPT) ARGS` started in `cwd`; None for anything
+    else (a script that is not there among them: `python` says so itself)."""
     options, rest = [], argv[1:]
     while rest and rest[0].startswith("-") and rest[0] != "-m":
         if rest[0] != "-u":
@@ -97,7 +98,8 @@ def parse(argv: list[str]) -> tuple[dict, list[str]] | None:
         options.append(rest.pop(0))
     if rest[:1] == ["-m"] and len(rest) >= 2 and rest[1] in MODULES:
         return {"module": rest[1], "args": rest[2:]}, options
-    if rest and (rest[0].endswith(".py") or os.path.basename(rest[0]) in SCRIPT_NAMES) and os.path.isfile(rest[0]):
+    if rest and (rest[0].endswith(".py") or os.path.basename(rest[0]) in SCRIPT_NAMES) and \
+            os.path.isfile(os.path.join(cwd, rest[0])):
         return {"script": rest[0], "args": rest[1:]}, options
     return None
 
@@ -158,8 +160,14 @@ def become(target: dict, options: list[str], request: dict, streams: list[int], 
             sys.modules["__main__"] = types.ModuleType("__main__")  # a namespace of its own, not this server's
             runpy._run_module_as_main(target["module"])  # what `python -m` runs
         else:
-            sys.argv = [target["script"], *target["args"]]
-            runpy.run_path(target["script"], run_name="__main__")
+            sys.argv = [target["script"], *target["args"]]  # as typed; __file__ absolute, as `python` sets them
+            path_name = os.path.abspath(target["script"])
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__file__, main.__cached__ = path_name, None
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path_name)
+            with open(path_name, "rb") as source:
+                compiled = compile(source.read(), path_name, "exec")
+            exec(compiled, main.__dict__)
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
         if not isinstance(end.code, int) and end.code is not None:
@@ -253,7 +261,7 @@ def start(connection, base, listener, selector, children) -> tuple[int, int] | N
     except OSError:
         return None
     request = json.loads(data[HEADER.size:])
-    parsed = parse(request["argv"])
+    parsed = parse(request["argv"], request["cwd"])
     path = child_path(parsed[0], request, base) if parsed else []
     why = "not a command a fork runs" if parsed is None else refusal(parsed[0], request, path)
     if why is None and threading.active_count() != 1:
