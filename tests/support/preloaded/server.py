@@ -199,15 +199,16 @@ def serve(address: str) -> None:
     children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (its command's connection, its pidfd)
     parent = os.getppid()
 
-    def end(*_):
+    def end(why: str):
+        print(f"ending: {why}; {len(children)} fork(s) killed", file=sys.stderr, flush=True)
         for pid in children:
             kill_group(pid)
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, end)
+    signal.signal(signal.SIGTERM, lambda *_: end("SIGTERM"))
     while True:
-        if os.getppid() != parent:  # the pytest worker is gone
-            end()
+        if os.getppid() != parent:
+            end("the pytest worker is gone")
         for key, _ in selector.select(timeout=1.0):
             if key.data == "listener":
                 connection, _ = listener.accept()
