@@ -174,8 +174,7 @@ def become(target: dict, options: list[str], request: dict, streams: list[int], 
             print(end.code, file=sys.stderr)
     except BaseException as error:
         trace = error.__traceback__  # from the command's first frame, as `python` prints it (`-m` shows runpy's)
-        while trace is not None and (trace.tb_frame.f_code.co_filename == __file__ or
-                                     ("script" in target and "runpy" in trace.tb_frame.f_code.co_filename)):
+        while trace is not None and trace.tb_frame.f_code.co_filename == __file__:
             trace = trace.tb_next
         sys.excepthook(type(error), error.with_traceback(trace), trace)
         code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
@@ -265,8 +264,6 @@ def start(connection, base, listener, selector, children) -> tuple[int, int] | N
     parsed = parse(request["argv"], request["cwd"])
     path = child_path(parsed[0], request, base) if parsed else []
     why = "not a command a fork runs" if parsed is None else refusal(parsed[0], request, path)
-    if why is None and threading.active_count() != 1:
-        why = "the server has threads"
     if why is not None or len(streams) != 3:
         print(f"refused {request['argv'][:4]}: {why}", file=sys.stderr, flush=True)
         for stream in streams:
