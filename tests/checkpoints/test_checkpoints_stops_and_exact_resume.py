@@ -28,6 +28,7 @@ from accel_train.run.checkpoint_files import list_checkpoints, to_keep
 from accel_train.run.layout import read_starts
 from accel_train.run.summaries import TIMING
 from support.commands import (
+    FRESH_LAUNCHER,
     PYTHON,
     accelerate,
     free_port,
@@ -215,11 +216,11 @@ def test_a_hung_process_fails_the_others_at_collective_timeout_s(tmp_path):
     print(f"\nhung process, train.collective_timeout_s={timeout_s}: the others failed {noticed:.1f} s later")
 
 
-@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 def test_a_killed_worker_fails_the_job_within_60_s(tmp_path):
     # Resuming from its checkpoints is the self-healing tests' (below), which end bit for bit as one run.
     log = tmp_path / "log"
-    job = start_launch(2, *RUN, f"output_dir={tmp_path}", "train.collective_timeout_s=30", log=log)
+    job = start_launch(2, *RUN, f"output_dir={tmp_path}", "train.collective_timeout_s=30", log=log,
+                       env=FRESH_LAUNCHER)  # its children are found with psutil
     wait_for(lambda: checkpoints(tmp_path), job, log)
     worker = psutil.Process(job.pid).children()[-1]
     worker.kill()  # SIGKILL: no handler, no checkpoint, like the OOM killer
@@ -240,12 +241,11 @@ SELF_HEALING = {
 }
 
 
-@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 @pytest.mark.parametrize("launcher", SELF_HEALING)
 def test_a_killed_worker_is_restarted_by_the_launcher_and_the_run_ends_as_if_never_interrupted(
         launcher, reference, tmp_path):
     log = tmp_path / "log"
-    job = start([*SELF_HEALING[launcher](), *RUN, f"output_dir={tmp_path}", "resume=auto"], log)
+    job = start([*SELF_HEALING[launcher](), *RUN, f"output_dir={tmp_path}", "resume=auto"], log, env=FRESH_LAUNCHER)
     wait_for(lambda: checkpoints(tmp_path), job, log)
     psutil.Process(job.pid).children()[-1].kill()  # SIGKILL, like the OOM killer; no one reruns anything
     killed = time.monotonic()

@@ -26,7 +26,7 @@ import pytest
 
 from accel_train.run.checkpoint_files import list_checkpoints
 from accel_train.run.layout import read_starts
-from support.commands import free_port, start, torchrun, wait_for
+from support.commands import FRESH_LAUNCHER, FRESH_PROCESSES, free_port, start, torchrun, wait_for
 from support.locations import PROFILES
 from support.nodes import run_nodes, slurm_nodes
 from support.runs import assert_resumed_from, read_metrics
@@ -84,7 +84,6 @@ def logs(folder) -> str:
 LOSSES = {"killed": (signal.SIGKILL, 30), "stopped answering": (signal.SIGSTOP, 8)}
 
 
-@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 @pytest.mark.parametrize("loss", LOSSES)
 def test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoint_and_finishes(loss, tmp_path):
     how, collective_timeout_s = LOSSES[loss]
@@ -92,7 +91,11 @@ def test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoi
     arguments = run(out, 24 * total_steps, collective_timeout_s)
     survivor_log = tmp_path / "machine0.log"
     survivor = start([*machine(port, holds_rendezvous=True), *arguments], survivor_log, env=OWN_STORE)
-    lost = start([*machine(port, holds_rendezvous=False), *arguments], tmp_path / "machine1.log", env=OWN_STORE)
+    # The lost machine's launcher is inspected (psutil) and its processes signalled: fresh ones, and under SIGSTOP
+    # every one of them (a stopped command's fork would run on)
+    fresh = FRESH_LAUNCHER if how == signal.SIGKILL else FRESH_PROCESSES
+    lost = start([*machine(port, holds_rendezvous=False), *arguments], tmp_path / "machine1.log",
+                 env={**OWN_STORE, **fresh})
 
     # Both machines train past a checkpoint: the steps since it are the work the loss costs.
     wait_for(lambda: newest_checkpoint_step(out) and max(trained_steps(out)) > newest_checkpoint_step(out),
@@ -178,7 +181,6 @@ def test_the_slurm_script_with_min_nodes_runs_the_elastic_torchrun_command_on_ev
     assert srun_options == ["--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"], "a lost node ends no other"
 
 
-@pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 def test_a_job_with_its_run_folder_in_object_storage_loses_a_machine_and_the_survivor_resumes_from_the_store(
         object_store, tmp_path):
     """No shared folder: each machine stages the run on its own disk (ACCEL_TRAIN_STAGING), and the survivor's restart
@@ -201,7 +203,7 @@ def test_a_job_with_its_run_folder_in_object_storage_loses_a_machine_and_the_sur
     survivor = start([*machine(port, holds_rendezvous=True), *arguments], survivor_log,
                      env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk0")})
     lost = start([*machine(port, holds_rendezvous=False), *arguments], tmp_path / "machine1.log",
-                 env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk1")})
+                 env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk1"), **FRESH_LAUNCHER})
     wait_for(lambda: committed_steps() and max(stored_train_steps(), default=0) > committed_steps()[-1],
              survivor, survivor_log)
     assert lost.poll() is None

@@ -82,6 +82,8 @@ def test_a_test_that_passes_fails_or_times_out_leaves_none_of_its_processes_runn
     (tmp_path / "test_scenarios.py").write_text(SCENARIOS)
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}  # not an xdist worker
     env["PYTHONPATH"] = str(TESTS)
+    # Processes of their own, not forks of a preloaded interpreter: the last scenario finds them by their command line
+    env["ACCEL_TRAIN_TESTS_FRESH_INTERPRETERS"] = "1"
     # conftest.py as a plugin (-p conftest, found on PYTHONPATH), with the project's pytest settings
     result = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-c", str(REPO / "pyproject.toml"),
                              "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "tmp"), "-v",

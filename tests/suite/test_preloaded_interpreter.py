@@ -10,15 +10,24 @@ import time
 import psutil
 import pytest
 
-from support.commands import PRELOADED, PYTHON, run_command, start, wait_for, wait_for_preloaded_interpreter
+from support.commands import (
+    FRESH_LAUNCHER,
+    PRELOADED,
+    PYTHON,
+    run_command,
+    start,
+    wait_for,
+    wait_for_preloaded_interpreter,
+)
 
 FRESH = {"ACCEL_TRAIN_TESTS_PRELOADED": ""}  # the same command, in a fresh interpreter
 SCRIPT = '''
-import json, os, sys, time
+import json, os, sys, tempfile, time
 preloaded = "torch" in sys.modules  # imported by the preload; this script imports nothing of torch
 print(json.dumps({"preloaded": preloaded, "argv": sys.argv, "cwd": os.getcwd(),
                   "mark": os.environ.get("ACCEL_TRAIN_MARK"), "path": sys.path[:3], "main": __name__,
-                  "file": __file__}))
+                  "file": __file__, "fresh_here": os.environ.get("ACCEL_TRAIN_TESTS_FRESH_HERE"),
+                  "temp": tempfile.gettempdir()}))
 sys.stdout.flush()
 mode = sys.argv[1]
 if mode == "exit 3":
@@ -32,6 +41,9 @@ if mode == "interrupt":
 if mode == "own module":
     import own_module
     print(own_module.VALUE)
+if mode == "child":
+    import subprocess
+    subprocess.run([sys.executable, __file__, "report"], check=True)
 if mode == "sleep":
     import signal
     signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(75)))
@@ -62,10 +74,11 @@ def both(command: list[str], env: dict) -> tuple:
 
 @pytest.mark.parametrize("mode", ["exit 3", "message", "raise", "interrupt", "own module"])
 def test_a_command_runs_in_the_preloaded_interpreter_as_in_a_fresh_one(script, mode):
-    env = {"ACCEL_TRAIN_MARK": "this command's", "PYTHONPATH": str(script / "modules")}
+    env = {"ACCEL_TRAIN_MARK": "this command's", "PYTHONPATH": str(script / "modules"), "TMPDIR": str(script)}
     preloaded, fresh = both([PYTHON, str(script / "probe.py"), mode], env)
     assert preloaded[1].pop("preloaded") and not fresh[1].pop("preloaded")
     assert preloaded[1]["argv"] == [str(script / "probe.py"), mode] and preloaded[1]["mark"] == "this command's"
+    assert preloaded[1]["temp"] == str(script)  # the preload's imports had chosen /tmp
     assert preloaded[1]["path"] == [str(script), str(PRELOADED), str(script / "modules")], preloaded[1]
     assert preloaded == fresh  # exit code, output and error output (a traceback without the server's frames)
     assert preloaded[0] == {"exit 3": 3, "message": 1, "raise": 1, "interrupt": -2, "own module": 0}[mode]
@@ -117,3 +130,11 @@ def test_a_script_named_relative_to_another_folder_runs_there(script):
     preloaded, fresh = ((r.returncode, json.loads(r.stdout.partition("\n")[0]), r.stderr) for r in results)
     assert preloaded[1].pop("preloaded") and not fresh[1].pop("preloaded")
     assert preloaded == fresh and preloaded[1]["cwd"] == str(script) and preloaded[0] == 3
+
+
+def test_a_launcher_a_test_inspects_starts_fresh_and_the_commands_it_starts_are_forks(script):
+    """FRESH_LAUNCHER: psutil finds the launcher's children, and a SIGKILL to one ends its fork with it."""
+    result = run_command([PYTHON, str(script / "probe.py"), "child"], timeout=120, check=True, env=FRESH_LAUNCHER)
+    launcher, child = (json.loads(line) for line in result.stdout.splitlines()[:2])
+    assert (launcher["preloaded"], child["preloaded"]) == (False, True)
+    assert launcher["fresh_here"] is None and child["fresh_here"] is None  # taken out of the environment at start

@@ -70,6 +70,13 @@ def preloaded_interpreter() -> dict:
     return {"ACCEL_TRAIN_TESTS_PRELOADED": _server["address"], "PYTHONPATH": os.pathsep.join(paths)}
 
 
+# Where a test signals or inspects some of its processes, only those start fresh (`env=` of run_command, start, ...):
+# a launcher whose workers it kills with SIGKILL (its workers may be forks: a worker's command killed, its fork goes
+# too), or every process of a command it stops with SIGSTOP (a stopped command's fork would run on).
+FRESH_LAUNCHER = {"ACCEL_TRAIN_TESTS_FRESH_HERE": "1"}
+FRESH_PROCESSES = {"ACCEL_TRAIN_TESTS_PRELOADED": ""}
+
+
 def _plain_env(base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env.pop("WORLD_SIZE", None)
@@ -89,6 +96,8 @@ def command_env(extra: dict | None = None) -> dict:
     processes on it. What a GPU changes, `make gpu-check` runs (tools/gpu_check.py)."""
     env = _plain_env()
     preloaded = preloaded_interpreter()
+    if preloaded:  # a fresh start would spend the same seconds on the same imports as the server's that is under way
+        _until_listening(preloaded["ACCEL_TRAIN_TESTS_PRELOADED"], timeout=120)
     if extra and "PYTHONPATH" in extra and preloaded:
         preloaded["PYTHONPATH"] = os.pathsep.join([str(PRELOADED), extra["PYTHONPATH"]])
     env.update({**preloaded, **{key: value for key, value in (extra or {}).items()
@@ -99,11 +108,19 @@ def command_env(extra: dict | None = None) -> dict:
 def wait_for_preloaded_interpreter(timeout: float = 120) -> bool:
     """Until this worker's preloaded interpreter listens (False: preloading is off, or it ended: see its log)."""
     address = preloaded_interpreter().get("ACCEL_TRAIN_TESTS_PRELOADED")
-    deadline = time.monotonic() + timeout
-    while address and not os.path.exists(address) and _server["process"].poll() is None:
-        assert time.monotonic() < deadline, f"the preloaded interpreter is not listening after {timeout} s"
-        time.sleep(0.1)
+    assert not address or _until_listening(address, timeout), \
+        f"the preloaded interpreter is not listening after {timeout} s"
     return bool(address) and os.path.exists(address)
+
+
+def _until_listening(address: str, timeout: float) -> bool:
+    """False if the server is still not listening after `timeout` s; True once it listens or has ended."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(address) and _server["process"].poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def run_command(command: list[str], timeout: int, check: bool, env: dict | None = None) -> subprocess.CompletedProcess:

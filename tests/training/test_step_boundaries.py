@@ -86,7 +86,8 @@ def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_
     config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=120", "data.eval_subset=20",
                                        "train.batch_size=12", "train.max_steps=17", "train.log_every_steps=4",
                                        "train.progress_bar=false", "checkpoint.at_epoch_end=false",
-                                       "train.clip_grad_norm=1.0", *features, f"output_dir={tmp_path}"])
+                                       "train.clip_grad_norm=1.0", "train.plot=false", *features,
+                                       f"output_dir={tmp_path}"])
     host_reads.clear()
     api.train(config)
     log_steps, epoch_ends = {4, 8, 12, 16, 17}, {10, 17}

@@ -26,13 +26,15 @@ import threading
 import types
 
 # What a training process, accel-train's other commands and the launchers import (not the launchers' own modules:
-# `python -m` runs a module that is already imported with a warning a fresh interpreter does not print).
+# `python -m` runs a module that is already imported with a warning a fresh interpreter does not print), and
+# matplotlib for the curves a run draws at its end (0.5 s a fork). Not what sets up a logging handler on import (optuna
+# binds the server's stderr) nor tensorboard (0.08 s).
 PRELOAD = ["torch", "torch._dynamo", "torchvision", "accelerate", "accelerate.commands.config",
            "accelerate.commands.utils", "accelerate.utils.launch", "torch.distributed.argparse_util",
            "torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing.errors", "evaluate", "datasets",
            "fsspec", "s3fs", "safetensors.torch", "accel_train.cli", "accel_train.api", "accel_train.workloads.tasks",
            "accel_train.workloads.metrics", "accel_train.training.loop", "accel_train.training.setup",
-           "accel_train.data.shards"]
+           "accel_train.data.shards", "matplotlib.figure", "matplotlib.backends.backend_agg"]
 # The modules a fork may run as `python -m NAME`: accel-train and the launchers (not pytest, pip, a compile worker).
 MODULES = {"accel_train", "accelerate.commands.launch", "torch.distributed.run"}
 SCRIPT_NAMES = {"accelerate", "torchrun", "accel-train"}  # console scripts; any *.py script is taken too
@@ -46,7 +48,7 @@ CALL_TIME_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "_TORCHINDUCTOR_", "MAIN_PROCESS_")
 CALL_TIME_NAMES = {"PYTHONUNBUFFERED", "PYTHONPATH", "XDG_CACHE_HOME", "CUBLAS_WORKSPACE_CONFIG", "PATH", "_", "SHLVL",
                    "OLDPWD", "PWD", "LAUNCH_TARGET", "STOP_AFTER_STEP", "MIN_NODES", "PROCESSES_PER_NODE",
-                   "GPU_CHECK_TOKEN", "OUT"}
+                   "GPU_CHECK_TOKEN", "OUT", "TMPDIR"}  # TMPDIR: tempfile's choice, cached by the preload, made again
 HEADER = struct.Struct("!I")
 ENV_AT_START = dict(os.environ)  # before the preload: what a command's environment is compared with
 SET_BY_IMPORTS: dict[str, str] = {}  # variables the preload's imports set, as they would in a fresh interpreter
@@ -122,6 +124,7 @@ def become(target: dict, options: list[str], request: dict, streams: list[int], 
     import atexit
     import io
     import runpy
+    import tempfile
 
     os.setsid()  # a group of its own: signals meant for the server's group are not its
     for number in range(1, signal.NSIG):
@@ -138,6 +141,7 @@ def become(target: dict, options: list[str], request: dict, streams: list[int], 
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**SET_BY_IMPORTS, **request["env"]})
+    tempfile.tempdir = None  # chosen again from this environment (TMPDIR) at the next use, as in a fresh interpreter
     unbuffered = "-u" in options or bool(os.environ.get("PYTHONUNBUFFERED"))
 
     def text(fd: int, mode: str, stderr: bool = False):

@@ -1,8 +1,9 @@
 """Hands this command to the suite's preloaded interpreter (server.py beside this file) when
 ACCEL_TRAIN_TESTS_PRELOADED names its socket: the server's fork runs the command with this process's arguments,
 environment, folder and standard streams; this process passes on the signals it gets and ends as the fork ends. Where
-the server refuses or is not there yet, the command starts here as usual. Only the standard library, imported here:
-every Python the suite starts runs this."""
+the server refuses or is not there yet, the command starts here as usual; so does one with
+ACCEL_TRAIN_TESTS_FRESH_HERE=1 (a launcher whose children a test finds with psutil), whose own children are handed
+over again. Only the standard library, imported here: every Python the suite starts runs this."""
 
 import os
 
@@ -10,6 +11,8 @@ import os
 def _hand_over() -> None:
     address = os.environ.get("ACCEL_TRAIN_TESTS_PRELOADED")
     if not address:
+        return
+    if os.environ.pop("ACCEL_TRAIN_TESTS_FRESH_HERE", None) == "1":  # this process fresh; what it starts, forks
         return
     import json
     import signal
