@@ -74,6 +74,10 @@ def end_process(code: int) -> None:
             child.kill()
         except psutil.Error:
             pass
+    if "folder" in _WORKER_STACKS:  # os._exit runs no atexit: the folder of worker stacks would stay in the temp dir
+        import shutil
+
+        shutil.rmtree(_WORKER_STACKS["folder"], ignore_errors=True)
     os._exit(code)
 
 

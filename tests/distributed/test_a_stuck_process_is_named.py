@@ -12,8 +12,10 @@ long evaluation, a long checkpoint save, a long first step) is not taken for a s
 import json
 import re
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -91,10 +93,18 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.fixture
+def temp():
+    """The processes' temporary folder (TMPDIR), where each keeps its folder of DataLoader worker stacks: a short
+    path, since multiprocessing binds its sockets there (108 bytes at most)."""
+    with tempfile.TemporaryDirectory(prefix="stuck-") as folder:
+        yield Path(folder)
+
+
 @pytest.mark.fresh_interpreters  # signals or inspects the processes themselves (psutil)
 @pytest.mark.parametrize("processes", [2, 1], ids=["process 1 of 2 under accelerate launch", "a plain process"])
 def test_a_dataloader_worker_blocked_in_getitem_is_named_its_stacks_written_and_it_ends_with_the_job(tmp_path,
-                                                                                                      processes):
+                                                                                                      processes, temp):
     # The DataLoader worker of the last process blocks in the user's __getitem__; the training process waits for it
     # in torch's loader. The line names the worker's function, not the loader's wait (_try_get_data). torch's
     # launcher ends each worker's process group; a plain process (accel-train train alone) has no launcher to.
@@ -104,7 +114,8 @@ def test_a_dataloader_worker_blocked_in_getitem_is_named_its_stacks_written_and_
     call = CALL if processes == 2 else 5 * 12 + 1
     run = [*STUCK_RUN, f"data.args.block={stopped}@{call}", f"data.args.note={note}", "data.num_workers=1",
            f"train.stuck_after_s={BOUND_S}", "train.collective_timeout_s=60", f"output_dir={out}"]
-    job = start_launch(2, *run, log=log) if processes == 2 else start_command([PYTHON, "-m", "accel_train", *run], log)
+    job = start_launch(2, *run, log=log, env={"TMPDIR": str(temp)}) if processes == 2 else \
+        start_command([PYTHON, "-m", "accel_train", *run], log, env={"TMPDIR": str(temp)})
     wait_for(lambda: note.is_file() and note.read_text().endswith("\n"), job, log, timeout=240)
     worker = int(note.read_text().split()[2])
     wait_for(lambda: reports(log), job, log, timeout=BOUND_S + SLACK_S + 30)
@@ -126,6 +137,7 @@ def test_a_dataloader_worker_blocked_in_getitem_is_named_its_stacks_written_and_
     while running(worker) and time.monotonic() < gone_by:
         time.sleep(0.1)
     assert not running(worker), f"DataLoader worker {worker} still runs after its job ended"
+    assert not list(temp.glob("accel-train-workers-*")), "the stuck process left its folder of worker stacks"
 
 
 def test_a_blocked_worker_of_a_run_in_a_bucket_is_named_and_its_stacks_reach_the_bucket(object_store, tmp_path):
