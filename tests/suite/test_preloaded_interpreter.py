@@ -12,6 +12,7 @@ import pytest
 
 from support.commands import (
     FRESH_LAUNCHER,
+    FRESH_PROCESSES,
     PRELOADED,
     PYTHON,
     run_command,
@@ -20,7 +21,7 @@ from support.commands import (
     wait_for_preloaded_interpreter,
 )
 
-FRESH = {"ACCEL_TRAIN_TESTS_PRELOADED": ""}  # the same command, in a fresh interpreter
+FRESH = FRESH_PROCESSES  # the same command, in a fresh interpreter
 SCRIPT = '''
 import json, os, sys, tempfile, time
 preloaded = "torch" in sys.modules  # imported by the preload; this script imports nothing of torch
