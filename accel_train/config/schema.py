@@ -7,6 +7,7 @@ Kept free of torch imports so `accel-train --help` and config errors answer inst
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable
@@ -338,6 +339,7 @@ def fields_of(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+@functools.cache  # get_type_hints evaluates every annotation again: a third of load_config's time uncached
 def hints_of(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

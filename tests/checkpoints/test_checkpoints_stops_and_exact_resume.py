@@ -212,7 +212,9 @@ def test_a_hung_process_fails_the_others_at_collective_timeout_s(tmp_path):
         with contextlib.suppress(psutil.NoSuchProcess):  # the launcher may have ended the group, the stopped one too
             worker.kill()
     job.wait(timeout=60)
-    assert job.returncode != 0 and timeout_s <= noticed < timeout_s + 30, noticed
+    # The other process's clock starts when it enters the collective, which may be just before the SIGSTOP (4.997 s
+    # was seen in CI): a second's slack still tells the timeout from the watchdog's half of it.
+    assert job.returncode != 0 and timeout_s - 1 <= noticed < timeout_s + 30, noticed
     print(f"\nhung process, train.collective_timeout_s={timeout_s}: the others failed {noticed:.1f} s later")
 
 

@@ -384,3 +384,21 @@ def test_the_slow_input_advice_names_knobs_that_exist_for_the_data_path(monkeypa
                     "busy (1 CPU core per process here)")
     registry = slow_input_advice(DataConfig(name="imagefolder", num_workers=1), Data(None, 3, (3, 8, 8)))
     assert registry.startswith("lower data.image_size, lighten augmentation") and "1 CPU core per" in registry
+
+
+@pytest.mark.parametrize("name, shape", [("fashion_mnist", (1, 28, 28)), ("cifar10", (3, 32, 32)),
+                                         ("stl10", (3, 96, 96))])
+def test_synthetic_data_is_torchvisions_fakedata_of_the_datasets_shape_sample_for_sample(name, shape):
+    import torchvision
+    from torchvision.transforms import v2
+
+    from accel_train.data import build_dataset
+
+    cfg = load_config("mnist_cnn", [f"data.name={name}", "data.synthetic=true", "data.train_subset=5",
+                                    "data.eval_subset=3"]).data
+    for train, offset in ((True, 0), (False, 10**6)):
+        held = build_dataset(cfg, train).dataset
+        fake = torchvision.datasets.FakeData(len(held), image_size=shape, num_classes=10, transform=v2.PILToTensor(),
+                                             random_offset=offset)
+        images, labels = zip(*(fake[index] for index in range(len(fake))))
+        assert torch.equal(held.images, torch.stack(images)) and held.labels.tolist() == list(labels), (name, train)

@@ -132,7 +132,7 @@ def test_a_short_run_gets_ten_train_lines_and_one_warning_for_a_warmup_longer_th
     out = tmp_path / "run"
     train_in_process("mnist_cnn", "data.synthetic=true", "data.train_subset=640", "data.eval_subset=32",
                      "train.epochs=1", "train.batch_size=32", "train.warmup_steps=30", "checkpoint.at_epoch_end=false",
-                     f"output_dir={out}")
+                     "train.plot=false", f"output_dir={out}")
     assert [line["step"] for line in read_metrics(out, "train")] == list(range(2, 21, 2))
     warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
     assert warnings == ["accel-train: warning: train.warmup_steps=30 is longer than the run (20 optimizer steps): "

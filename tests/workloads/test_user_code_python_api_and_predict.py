@@ -91,7 +91,7 @@ def test_modules_are_found_in_the_current_directory(tmp_path, monkeypatch):
 
 def test_a_user_dataset_and_model_by_import_path_train_and_record_their_class_names(tmp_path):
     metrics = train_in_process(USER_RECIPE, "data.name=user_models:points", "data.num_classes=3",
-                               "model.args.hidden=4", f"output_dir={tmp_path}")
+                               "model.args.hidden=4", "train.plot=false", f"output_dir={tmp_path}")
     assert metrics["num_samples"] == 20  # data.eval_subset applies to a user dataset
     assert not (tmp_path / "classes.json").exists()  # a dataset without names: none to record
     weights = load_file(str(tmp_path / "model.safetensors"))
@@ -122,7 +122,7 @@ def test_the_python_api_trains_objects_in_place_of_names_and_records_them(tmp_pa
 
     torch.manual_seed(0)
     settings = [f"output_dir={tmp_path}", "train.batch_size=16", "train.epochs=3", "train.lr=0.05",
-                "data.num_workers=0"]
+                "data.num_workers=0", "train.plot=false"]
     metrics = accel_train.train("mnist_cnn", settings, model=torch.nn.Linear(3, 2),
                                 train_dataset=Tagged(320, seed=0), eval_dataset=Tagged(101, seed=1))
     assert metrics["num_samples"] == 101 and metrics["accuracy"] > 0.85, metrics
@@ -166,7 +166,7 @@ def test_a_user_model_resumes_exactly(tmp_path, monkeypatch):
     recipe = str(EXAMPLES / "two_conv_net" / "recipe.yaml")
     run = ["data.synthetic=true", "data.augment=true", "data.train_subset=96", "data.eval_subset=30",
            "train.batch_size=12", "train.epochs=2", "train.log_every_steps=3", "checkpoint.every_steps=4",
-           "model.args.width=8"]
+           "model.args.width=8", "train.plot=false"]
     train_in_process(recipe, *run, f"output_dir={tmp_path / 'reference'}")
     # step 8: epoch 0, in the middle of the train line at step 9
     crash_after_checkpoint_then_resume(8, recipe, *run, f"output_dir={tmp_path / 'resumed'}")
@@ -321,7 +321,7 @@ def test_a_script_that_trains_evaluates_predicts_and_trains_again_runs_all_four_
 # --- predict ------------------------------------------------------------------------------------------------
 
 CLASSES = ("cat", "dog", "owl")
-IMAGE_RUN = ["model.name=resnet18", "data.image_size=32", "data.num_workers=0"]
+IMAGE_RUN = ["model.name=resnet18", "data.image_size=32", "data.num_workers=0", "train.plot=false"]
 
 
 @pytest.fixture(scope="module")

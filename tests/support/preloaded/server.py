@@ -48,7 +48,13 @@ CALL_TIME_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "_TORCHINDUCTOR_", "MAIN_PROCESS_")
 CALL_TIME_NAMES = {"PYTHONUNBUFFERED", "PYTHONPATH", "XDG_CACHE_HOME", "CUBLAS_WORKSPACE_CONFIG", "PATH", "_", "SHLVL",
                    "OLDPWD", "PWD", "LAUNCH_TARGET", "STOP_AFTER_STEP", "MIN_NODES", "PROCESSES_PER_NODE",
-                   "GPU_CHECK_TOKEN", "OUT", "TMPDIR"}  # TMPDIR: tempfile's choice, cached by the preload, made again
+                   "GPU_CHECK_TOKEN", "OUT", "TMPDIR",  # TMPDIR: tempfile's choice, cached by the preload, made again
+                   "TORCH_HOME", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"}  # torch.hub's and urllib's
+# Variables that change nothing on this machine whenever they are read, so a fork may see them set otherwise (found
+# after the preload; `accelerate launch` sets both kinds for its workers): which GPUs CUDA may see, where no NVIDIA
+# driver is (no /dev/nvidiactl: none to see); Intel OpenMP's KMP_*, where torch's OpenMP is not Intel's (no libiomp).
+IGNORED_HERE: set[str] = set()
+IGNORED_HERE_PREFIXES: list[str] = []
 HEADER = struct.Struct("!I")
 ENV_AT_START = dict(os.environ)  # before the preload: what a command's environment is compared with
 SET_BY_IMPORTS: dict[str, str] = {}  # variables the preload's imports set, as they would in a fresh interpreter
@@ -66,7 +72,8 @@ def refusal(target: dict, request: dict, child_path: list[str]) -> str | None:
     env = request["env"]
     expected = {**ENV_AT_START, **SET_BY_IMPORTS}  # a variable the imports set is theirs to set: the same either way
     differing = sorted(key for key in set(env) | set(expected) if env.get(key, SET_BY_IMPORTS.get(key)) !=
-                       expected.get(key) and not key.startswith(CALL_TIME_PREFIXES) and key not in CALL_TIME_NAMES)
+                       expected.get(key) and not key.startswith((*CALL_TIME_PREFIXES, *IGNORED_HERE_PREFIXES)) and
+                       key not in CALL_TIME_NAMES and key not in IGNORED_HERE)
     if differing:
         return f"variables read at import time differ: {differing}"
     found = package_origin("accel_train", child_path)
@@ -308,6 +315,11 @@ def main() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     SET_BY_IMPORTS.update({key: value for key, value in os.environ.items() if key not in ENV_AT_START})
+    if not os.path.exists("/dev/nvidiactl"):
+        IGNORED_HERE.add("CUDA_VISIBLE_DEVICES")
+    with open("/proc/self/maps") as maps:
+        if "libiomp" not in maps.read():
+            IGNORED_HERE_PREFIXES.append("KMP_")
     said = os.pread(preload_output, 4000, 0)
     os.dup2(out, 1)
     os.dup2(out, 2)
