@@ -42,6 +42,9 @@ if mode == "interrupt":
 if mode == "own module":
     import own_module
     print(own_module.VALUE)
+if mode == "devices":
+    import torch
+    print(json.dumps({"cuda": torch.cuda.is_available(), "devices": torch.cuda.device_count()}))
 if mode == "child":
     import subprocess
     subprocess.run([sys.executable, __file__, "report"], check=True)
@@ -97,6 +100,17 @@ def test_a_module_runs_as_with_python_dash_m(script):
 def test_a_command_whose_imports_could_differ_runs_in_a_fresh_interpreter(script):
     preloaded, fresh = both([PYTHON, str(script / "probe.py"), "exit 3"], {"HF_HOME": str(script / "hf")})
     assert not preloaded[1]["preloaded"] and preloaded[:3] == fresh[:3]
+
+
+def test_what_accelerate_launch_sets_for_its_workers_leaves_them_forks_where_it_changes_nothing(script):
+    """accelerate launch sets CUDA_VISIBLE_DEVICES (a profile's gpu_ids) and KMP_* (CPU runs) for its workers: a fork
+    takes them where no NVIDIA driver is and torch's OpenMP is not Intel's, and sees what a fresh interpreter sees."""
+    env = {"CUDA_VISIBLE_DEVICES": "0", "KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_BLOCKTIME": "1"}
+    preloaded, fresh = both([PYTHON, str(script / "probe.py"), "devices"], env)
+    with open("/proc/self/maps") as maps:  # this worker imported torch as the server did
+        changes_nothing = not os.path.exists("/dev/nvidiactl") and "libiomp" not in maps.read()
+    assert preloaded[1].pop("preloaded") is changes_nothing and not fresh[1].pop("preloaded")
+    assert preloaded == fresh
 
 
 def test_a_signal_to_the_command_reaches_its_fork_and_the_fork_ends_with_its_command(script, tmp_path):

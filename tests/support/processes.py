@@ -76,6 +76,8 @@ def carrying(tokens: set[str]) -> list:
     import psutil
 
     found = []
+    if not tokens:  # a test that started nothing: no need to read every process's environment (9 ms a test)
+        return found
     for process in psutil.process_iter():
         try:
             if process.pid != os.getpid() and tokens.intersection(process.environ().get(TREE, "").split()):

@@ -35,8 +35,9 @@ PRELOAD = ["torch", "torch._dynamo", "torchvision", "accelerate", "accelerate.co
            "fsspec", "s3fs", "safetensors.torch", "accel_train.cli", "accel_train.api", "accel_train.workloads.tasks",
            "accel_train.workloads.metrics", "accel_train.training.loop", "accel_train.training.setup",
            "accel_train.data.shards", "matplotlib.figure", "matplotlib.backends.backend_agg"]
-# The modules a fork may run as `python -m NAME`: accel-train and the launchers (not pytest, pip, a compile worker).
-MODULES = {"accel_train", "accelerate.commands.launch", "torch.distributed.run"}
+# The modules a fork may run as `python -m NAME`: accel-train, the launchers and `accelerate config` (not pytest, pip,
+# a compile worker).
+MODULES = {"accel_train", "accelerate.commands.launch", "accelerate.commands.accelerate_cli", "torch.distributed.run"}
 SCRIPT_NAMES = {"accelerate", "torchrun", "accel-train"}  # console scripts; any *.py script is taken too
 # Variables a fork may see set otherwise than this process was: each is read when used, not when a module is
 # imported (the launchers', the store's, the probe's faults, the suite's own, the shell's, what the launch scripts
