@@ -14,6 +14,7 @@ interpreter, it refuses, and the command starts as usual (`refusal` below names 
 
 from __future__ import annotations
 
+import gc
 import importlib.machinery
 import json
 import os
@@ -328,6 +329,9 @@ def main() -> None:
         sys.exit(f"the preload printed {said[:2000]!r}: no preloaded interpreters")
     if threading.active_count() != 1:
         sys.exit(f"the preload left threads running ({threading.enumerate()}): no preloaded interpreters")
+    # The preload's objects out of the garbage collector's sight, as Python's gc docs advise before fork() without
+    # exec(): a fork's collections neither walk them nor write to their pages (copies of each page it touches).
+    gc.freeze()
     serve(address)
 
 
