@@ -1,7 +1,7 @@
 # make demo      - set up everything on a fresh machine and train Fashion-MNIST for one epoch
 # make test      - set up everything (with dev extras and data), lint (ruff), run the test suite (its 15 slowest tests
 #                  named), then test-min
-# make test-fast - lint, then the tests that start no process and use no S3 store (about a minute): after every edit
+# make test-fast - lint, then the tests that start no process and use no S3 store (about 45 s): after every edit
 # make test-min  - the contract tests at the lowest versions pyproject.toml allows (accelerate, evaluate, datasets,
 #                  numpy, pyyaml, tqdm, safetensors, matplotlib, psutil, packaging, tensorboard) beside this torch
 # make mutations - break each contract in turn (tests/mutations/run.py) and show a test fails; not part of test
