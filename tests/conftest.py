@@ -77,6 +77,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session):
     processes.end_started()  # a test cut short (Ctrl-C) never reached its teardown
+    gc.unfreeze()  # as before the freeze at exit (frozen, CI's workers printed triton's nanobind leak report)
 
 
 STORE_FIXTURES = {"object_store", "module_object_store"}

@@ -16,7 +16,14 @@ from torchvision.transforms import v2
 from accel_train.config import DataConfig
 from accel_train.data.decode import ImagesToModelInput, read_image, unreadable_image
 from accel_train.data.in_memory import augment_draws
-from accel_train.data.registry import DATASETS, SYNTHETIC_EVAL_SIZE, SYNTHETIC_TRAIN_SIZE, Data, given_normalization
+from accel_train.data.registry import (
+    DATASETS,
+    SYNTHETIC_EVAL_SIZE,
+    SYNTHETIC_TRAIN_SIZE,
+    Data,
+    FakeImages,
+    given_normalization,
+)
 from accel_train.errors import DataNotFoundError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -29,7 +36,7 @@ def imagefolder(cfg: DataConfig, train: bool) -> Data:
     transform = imagefolder_transform(cfg, train)
     if cfg.synthetic:
         count = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
-        dataset = torchvision.datasets.FakeData(count, image_size=(3, size, size), num_classes=10, transform=transform)
+        dataset = FakeImages(count, image_size=(3, size, size), num_classes=10, transform=transform)
         return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)],
                     finish=imagefolder_finish(cfg))
     root = Path(cfg.root)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torchvision
 from torch.utils.data import Dataset
+from torchvision import transforms as T
 
 from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages
@@ -13,6 +16,29 @@ from accel_train.errors import UserError
 from accel_train.registry import Registry
 
 SYNTHETIC_TRAIN_SIZE, SYNTHETIC_EVAL_SIZE = 512, 256  # data.synthetic: FakeData of the dataset's shape
+
+
+class FakeImages(torchvision.datasets.FakeData):
+    """torchvision's FakeData, sample for sample, each drawn from a generator seeded as FakeData seeds torch. By hand
+    because FakeData's torch.manual_seed per sample also queues a CUDA seed with a formatted stack wherever CUDA is not
+    initialised (a CPU run, a DataLoader worker): 0.4 to 3 ms a sample, by the depth of the caller's stack."""
+
+    def draw(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float image and the label (a 0-d tensor) FakeData draws for `index`."""
+        if index >= len(self):
+            raise IndexError(f"{type(self).__name__} index out of range")
+        generator = torch.Generator().manual_seed(index + self.random_offset)
+        image = torch.randn(*self.image_size, generator=generator)
+        return image, torch.randint(0, self.num_classes, size=(1,), dtype=torch.long, generator=generator)[0]
+
+    def __getitem__(self, index: int):
+        image, target = self.draw(index)
+        image = T.ToPILImage()(image)
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target.item()
 
 
 @dataclass

@@ -15,7 +15,14 @@ import torchvision
 
 from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages
-from accel_train.data.registry import DATASETS, SYNTHETIC_EVAL_SIZE, SYNTHETIC_TRAIN_SIZE, Data, given_normalization
+from accel_train.data.registry import (
+    DATASETS,
+    SYNTHETIC_EVAL_SIZE,
+    SYNTHETIC_TRAIN_SIZE,
+    Data,
+    FakeImages,
+    given_normalization,
+)
 from accel_train.errors import DataNotFoundError, writing
 
 
@@ -107,18 +114,13 @@ def _find_torchvision(cfg: DataConfig, name: str, source: TorchvisionSource, tra
 
 
 def _synthetic_tensors(cfg: DataConfig, shape, num_classes: int, train: bool):
-    """torchvision's FakeData of this shape as uint8 tensors, value for value, each sample drawn from a generator
-    seeded as FakeData seeds torch: FakeData's own torch.manual_seed per sample also queues a CUDA seed with a formatted
-    stack wherever CUDA is not initialised (0.4 to 3 ms a sample, by the depth of the caller's stack)."""
+    """FakeData of this shape as uint8 tensors, as FakeData's images become them through ToPILImage (numpy's float32
+    * 255 cast to uint8) and PILToTensor."""
     size = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
-    offset = 0 if train else 10**6  # FakeData's random_offset: the test split draws other samples
+    fake = FakeImages(size, image_size=shape, num_classes=num_classes, random_offset=0 if train else 10**6)
     images, labels = torch.empty((size, *shape), dtype=torch.uint8), torch.empty(size, dtype=torch.long)
-    generator = torch.Generator()
     for index in range(size):
-        generator.manual_seed(index + offset)
-        image = torch.randn(*shape, generator=generator)
-        labels[index] = torch.randint(0, num_classes, size=(1,), dtype=torch.long, generator=generator)[0]
-        # FakeData's float image through ToPILImage (numpy's float32 * 255 cast to uint8), then PILToTensor
+        image, labels[index] = fake.draw(index)
         images[index] = torch.from_numpy((image.numpy() * 255).astype(np.uint8))
     return images, labels
 

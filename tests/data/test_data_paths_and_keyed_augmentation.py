@@ -402,3 +402,16 @@ def test_synthetic_data_is_torchvisions_fakedata_of_the_datasets_shape_sample_fo
                                              random_offset=offset)
         images, labels = zip(*(fake[index] for index in range(len(fake))))
         assert torch.equal(held.images, torch.stack(images)) and held.labels.tolist() == list(labels), (name, train)
+
+
+def test_synthetic_imagefolder_data_is_torchvisions_fakedata_through_the_same_transform():
+    import torchvision
+
+    from accel_train.data import build_dataset
+
+    cfg = load_config("imagefolder", ["data.synthetic=true", "data.image_size=40", "data.eval_subset=4"]).data
+    held = build_dataset(cfg, train=False).dataset  # the evaluation transform draws nothing at random
+    fake = torchvision.datasets.FakeData(4, image_size=(3, 40, 40), num_classes=10, transform=held.transform)
+    for index in range(4):
+        (image, label), (expected, expected_label) = held[index], fake[index]
+        assert torch.equal(image, expected) and label == expected_label, index

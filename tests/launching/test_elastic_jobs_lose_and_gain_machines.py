@@ -90,7 +90,10 @@ def test_a_job_that_loses_a_machine_restarts_without_it_from_the_newest_checkpoi
     out, port, total_steps = tmp_path / "run", free_port(), 40
     arguments = run(out, 24 * total_steps, collective_timeout_s)
     survivor_log = tmp_path / "machine0.log"
-    survivor = start([*machine(port, holds_rendezvous=True), *arguments], survivor_log, env=OWN_STORE)
+    # Both launchers start fresh, so that neither meets the rendezvous seconds before the other (a fork of the
+    # preloaded interpreter would, and the 5-s last call could close before the fresh one came: seen in CI)
+    survivor = start([*machine(port, holds_rendezvous=True), *arguments], survivor_log,
+                     env={**OWN_STORE, **FRESH_LAUNCHER})
     # The lost machine's launcher is inspected (psutil) and its processes signalled: fresh ones, and under SIGSTOP
     # every one of them (a stopped command's fork would run on)
     fresh = FRESH_LAUNCHER if how == signal.SIGKILL else FRESH_PROCESSES
@@ -200,8 +203,8 @@ def test_a_job_with_its_run_folder_in_object_storage_loses_a_machine_and_the_sur
         return [line["step"] for line in lines("metrics.jsonl") if line["split"] == "train"]
 
     survivor_log = tmp_path / "machine0.log"
-    survivor = start([*machine(port, holds_rendezvous=True), *arguments], survivor_log,
-                     env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk0")})
+    survivor = start([*machine(port, holds_rendezvous=True), *arguments], survivor_log,  # fresh as the other: above
+                     env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk0"), **FRESH_LAUNCHER})
     lost = start([*machine(port, holds_rendezvous=False), *arguments], tmp_path / "machine1.log",
                  env={**OWN_STORE, "ACCEL_TRAIN_STAGING": str(tmp_path / "disk1"), **FRESH_LAUNCHER})
     wait_for(lambda: committed_steps() and max(stored_train_steps(), default=0) > committed_steps()[-1],
