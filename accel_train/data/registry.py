@@ -23,17 +23,12 @@ class FakeImages(torchvision.datasets.FakeData):
     because FakeData's torch.manual_seed per sample also queues a CUDA seed with a formatted stack wherever CUDA is not
     initialised (a CPU run, a DataLoader worker): 0.4 to 3 ms a sample, by the depth of the caller's stack."""
 
-    def draw(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float image and the label (a 0-d tensor) FakeData draws for `index`."""
+    def __getitem__(self, index: int):
         if index >= len(self):
             raise IndexError(f"{type(self).__name__} index out of range")
         generator = torch.Generator().manual_seed(index + self.random_offset)
-        image = torch.randn(*self.image_size, generator=generator)
-        return image, torch.randint(0, self.num_classes, size=(1,), dtype=torch.long, generator=generator)[0]
-
-    def __getitem__(self, index: int):
-        image, target = self.draw(index)
-        image = T.ToPILImage()(image)
+        image = T.ToPILImage()(torch.randn(*self.image_size, generator=generator))
+        target = torch.randint(0, self.num_classes, size=(1,), dtype=torch.long, generator=generator)[0]
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:

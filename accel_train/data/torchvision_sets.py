@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torchvision
+from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages
@@ -114,15 +114,11 @@ def _find_torchvision(cfg: DataConfig, name: str, source: TorchvisionSource, tra
 
 
 def _synthetic_tensors(cfg: DataConfig, shape, num_classes: int, train: bool):
-    """FakeData of this shape as uint8 tensors, as FakeData's images become them through ToPILImage (numpy's float32
-    * 255 cast to uint8) and PILToTensor."""
     size = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
-    fake = FakeImages(size, image_size=shape, num_classes=num_classes, random_offset=0 if train else 10**6)
-    images, labels = torch.empty((size, *shape), dtype=torch.uint8), torch.empty(size, dtype=torch.long)
-    for index in range(size):
-        image, labels[index] = fake.draw(index)
-        images[index] = torch.from_numpy((image.numpy() * 255).astype(np.uint8))
-    return images, labels
+    fake = FakeImages(size, image_size=shape, num_classes=num_classes, transform=v2.PILToTensor(),
+                      random_offset=0 if train else 10**6)
+    images, labels = zip(*(fake[i] for i in range(size)))
+    return torch.stack(images), torch.tensor(labels)
 
 
 def in_memory_dataset(cfg: DataConfig, name: str, train: bool) -> Data:
