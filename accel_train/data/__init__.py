@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 from accel_train.config import DataConfig
 from accel_train.data import imagefolder, torchvision_sets  # noqa: F401  (registration)
+from accel_train.data.classes import labelled_by
 from accel_train.data.imagefolder import load_image
 from accel_train.data.in_memory import InMemoryImages
 from accel_train.data.keyed import KeyedSamples, sample_keys
@@ -32,16 +33,23 @@ __all__ = ["DATASETS", "Data", "InMemoryImages", "KeyedSamples", "build_dataset"
            "start_epoch"]
 
 
-def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None) -> Data:
-    """The dataset data.name names (one of the registry, or the user's by import path), or the one `given`."""
+def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None,
+                  classes: list[str] | None = None) -> Data:
+    """The dataset data.name names (one of the registry, or the user's by import path), or the one `given`. An
+    evaluation split's labels index `classes` (the run's: its training split's names) by name; None: the data's own
+    training split's, where it has one of its own (an ImageFolder tree, shards)."""
     if given is not None:
-        return from_dataset(given, cfg, train, "train_dataset" if train else "eval_dataset")
-    if is_import_path(cfg.name):
-        return user_dataset(cfg, train)
-    if is_given_object(cfg.name):
+        data = from_dataset(given, cfg, train, "train_dataset" if train else "eval_dataset")
+    elif is_import_path(cfg.name):
+        data = user_dataset(cfg, train)
+    elif is_given_object(cfg.name):
         raise UserError(f"data.name={cfg.name}: this run's data was given as a Python object; pass it again "
                         "(accel_train.evaluate(..., eval_dataset=...))")
-    return DATASETS.get(cfg.name)(cfg, train)
+    else:
+        data = DATASETS.get(cfg.name)(cfg, train, classes=None if train else classes)
+    if train or data.in_memory:  # the registry's in-memory sets: one fixed list of classes, the same in both splits
+        return data
+    return labelled_by(data, classes, f"data.name={cfg.name}: the evaluation split")
 
 
 def check_data_name(cfg: DataConfig) -> None:

@@ -14,6 +14,7 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
+from accel_train.data.classes import label_indices
 from accel_train.data.decode import ImagesToModelInput, read_image, unreadable_image
 from accel_train.data.in_memory import augment_draws
 from accel_train.data.registry import (
@@ -30,8 +31,9 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 @DATASETS.register("imagefolder")
-def imagefolder(cfg: DataConfig, train: bool) -> Data:
-    """The user's own data: data.root/train/<class>/*.jpg, and data.root/test/ (or val/) the same way."""
+def imagefolder(cfg: DataConfig, train: bool, classes: list[str] | None = None) -> Data:
+    """The user's own data: data.root/train/<class>/*.jpg, and data.root/test/ (or val/) the same way. An evaluation
+    split's labels index `classes` (the run's) by its folders' names; None: the names of train/'s folders."""
     size = cfg.image_size or 224
     transform = imagefolder_transform(cfg, train)
     if cfg.synthetic:
@@ -40,9 +42,20 @@ def imagefolder(cfg: DataConfig, train: bool) -> Data:
         return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)],
                     finish=imagefolder_finish(cfg))
     root = Path(cfg.root)
-    _imagefolder_split(root, not train)  # report a missing train or test folder before reading either
+    if train or classes is None:
+        _imagefolder_split(root, not train)  # report a missing train or test folder before reading either
     return imagefolder_data(cfg, _imagefolder_split(root, train), transform,
-                             cfg.train_subset if train else cfg.eval_subset, augmenting=augments(cfg, train))
+                            cfg.train_subset if train else cfg.eval_subset, augmenting=augments(cfg, train),
+                            classes=None if train else classes or training_classes(root))
+
+
+def training_classes(root: Path) -> list[str]:
+    """The class names of root/train (its folders, sorted as ImageFolder sorts them): the run's classes."""
+    train = _imagefolder_split(root, True)
+    try:
+        return torchvision.datasets.folder.find_classes(str(train))[0]
+    except FileNotFoundError as err:
+        raise DataNotFoundError(f"imagefolder: {err}; expected {train}/<class>/<images>") from None
 
 
 def augments(cfg: DataConfig, train: bool) -> bool:
@@ -50,10 +63,29 @@ def augments(cfg: DataConfig, train: bool) -> bool:
     return train and bool(cfg.augment or cfg.trivial_augment or cfg.random_erasing)
 
 
-def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None, augmenting: bool = False) -> Data:
+class ImageFolderByName(torchvision.datasets.ImageFolder):
+    """ImageFolder whose labels index `classes` (the run's) by each class folder's name, not by the folder's place
+    among its own: an evaluation split that lacks a class, or orders them otherwise, is labelled right."""
+
+    def __init__(self, root: str, classes: list[str], **kwargs) -> None:
+        self.run_classes = list(classes)
+        super().__init__(root, **kwargs)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        own, _ = super().find_classes(directory)
+        indices = label_indices(own, self.run_classes, f"imagefolder: {directory}")
+        return self.run_classes, dict(zip(own, indices))
+
+
+def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None, augmenting: bool = False,
+                     classes: list[str] | None = None) -> Data:
+    """An ImageFolder split; `classes`: the run's class names, which its labels index (None: its own folders')."""
     size = cfg.image_size or 224
     try:
-        dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=read_image)
+        if classes is None:
+            dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=read_image)
+        else:
+            dataset = ImageFolderByName(str(split_dir), classes, transform=transform, loader=read_image)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
     dataset.draws_from = augment_draws(augmenting)  # the generators our transforms draw from (KeyedSamples)

@@ -147,4 +147,4 @@ def normalization(cfg: DataConfig, source: TorchvisionSource) -> tuple[tuple, tu
 
 
 for _name in SOURCES:
-    DATASETS.register(_name)(lambda cfg, train, _name=_name: in_memory_dataset(cfg, _name, train))
+    DATASETS.register(_name)(lambda cfg, train, classes=None, _name=_name: in_memory_dataset(cfg, _name, train))

@@ -25,13 +25,14 @@ def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | No
     if cfg.name == "shards" and not cfg.val_fraction:
         from accel_train.data.shards.dataset import validation_split
 
-        return train, validation_split(cfg)
+        return train, validation_split(cfg, train.classes)
     own = own_validation_folder(cfg)
     if own is not None:
         if cfg.val_fraction:
             raise UserError(f"data.val_fraction={cfg.val_fraction}: data.root={cfg.root} has a validation split of "
                             f"its own ({own}); set data.val_fraction=0 to use it, or remove the folder")
-        return train, imagefolder_data(cfg, own, imagefolder_transform(cfg, train=False), cfg.eval_subset)
+        return train, imagefolder_data(cfg, own, imagefolder_transform(cfg, train=False), cfg.eval_subset,
+                                       classes=train.classes)
     if not cfg.val_fraction:
         return train, None
     dataset, total = train.dataset, len(train.dataset)

@@ -8,10 +8,12 @@ import torch
 
 from accel_train.config import Config
 from accel_train.data import build_dataset, hold_out_validation, make_loader
+from accel_train.data.classes import labelled_by
 from accel_train.data.decode import model_input
 from accel_train.distributed.accelerator import finish_command, make_accelerator, round_up_to_world
 from accel_train.distributed.devices import set_numerics
 from accel_train.errors import UserError
+from accel_train.run.layout import read_classes
 from accel_train.run.weights import load_weights, read_weights, weights_file
 from accel_train.training.adaptive import AdaptiveEval
 from accel_train.training.ema import WeightsEMA
@@ -56,16 +58,18 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
     state = read_weights(weights_file(checkpoint))
     set_numerics(config.train.deterministic, config.train.tf32)  # as the run trained
     accelerator = make_accelerator(config.seed)
+    classes = read_classes(checkpoint)  # the run's, which its outputs index: the data's labels are matched by name
     with accelerator.local_main_process_first():
         if split == "val":
-            test_data = build_dataset(config.data, train=False, given=eval_dataset)
+            test_data = build_dataset(config.data, train=False, given=eval_dataset, classes=classes)
             eval_data = hold_out_validation(config.data, config.seed, build_dataset(config.data, train=True),
                                             test_data)[1]
             if eval_data is None:
                 raise UserError(f"split=val: {checkpoint} was trained without a validation split "
                                 "(data.val_fraction=0 and no val/ folder); evaluate split=test")
+            eval_data = labelled_by(eval_data, classes, f"data.name={config.data.name}: the validation split")
         else:
-            eval_data = build_dataset(config.data, train=False, given=eval_dataset)
+            eval_data = build_dataset(config.data, train=False, given=eval_dataset, classes=classes)
     task.setup(config, eval_data)
     model = load_weights(model if model is not None else task.build_model(config, eval_data), state, checkpoint,
                          f"model.name={config.model.name} on {config.data.name}")

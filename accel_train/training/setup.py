@@ -116,7 +116,8 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
     set_seed(config.seed)  # the same initial weights on every process
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
         train_data = build_dataset(config.data, train=True, given=train_dataset)
-        test_data = build_dataset(config.data, train=False, given=eval_dataset)
+        # labelled by the training split's class names: an evaluation split lacking a class is not shifted
+        test_data = build_dataset(config.data, train=False, given=eval_dataset, classes=train_data.classes)
     train_data, val_data = hold_out_validation(config.data, config.seed, train_data, test_data)  # None: on test
     task.setup(config, train_data)
     task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation

@@ -499,6 +499,10 @@ MUTATIONS = [
              "accel_train/launch/command.py", "        store.add(f\"{KEY}/left\", 1)\n        deadline",
              "        store.add(f\"{KEY}/left\", 1)\n        return\n        deadline",
              ("tests/launching/test_multi_machine_start.py::test_accel_train_launch_waits_for_a_late_main_machine_saying_so_then_trains_like_one_process",)),
+    Mutation("the evaluation split indexed on its own (a class it lacks shifts every label after it)",
+             "accel_train/data/classes.py", "    return [position[name] for name in own]",
+             "    return list(range(len(own)))",
+             ("tests/data/test_labels_matched_by_name.py::test_an_evaluation_folder_lacking_a_class_scores_as_predict_labels_its_files",)),
 ]
 
 

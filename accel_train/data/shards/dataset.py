@@ -16,6 +16,7 @@ from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.console import say
+from accel_train.data.classes import labelled_by
 from accel_train.data.decode import Crops, decode_image_bytes, shrunk
 from accel_train.data.imagefolder import (
     augments,
@@ -233,8 +234,10 @@ def image_mode(index: SplitIndex) -> str | None:
 
 
 @DATASETS.register("shards")
-def shards(cfg: DataConfig, train: bool) -> Data:
-    """The train (or the test, else val) split of the shards at data.root."""
+def shards(cfg: DataConfig, train: bool, classes: list[str] | None = None) -> Data:
+    """The train (or the test, else val) split of the shards at data.root. The evaluation split's labels index
+    `classes` (the run's) by name; None: the train split's (shards written before labels were matched by name index
+    each split's own classes)."""
     store = open_store(cfg)
     split, index = ("train", read_index(store, "train")) if train else eval_split(store)
     _refuse_missing_shards(store, split, index)
@@ -243,7 +246,16 @@ def shards(cfg: DataConfig, train: bool) -> Data:
     dataset = _split_samples(cfg, store, split, index, train)
     first = dataset[0] if index.transforms == "as_written" else None
     shape = tuple(first[0].shape) if first is not None else input_shape(cfg, index)
-    return Data(dataset, cfg.num_classes or index.num_classes, shape, index.classes, first, finish_of(cfg, index))
+    data = Data(dataset, cfg.num_classes or index.num_classes, shape, index.classes, first, finish_of(cfg, index))
+    return data if train else _labelled(data, store, split, classes)
+
+
+def _labelled(data: Data, store: Store, split: str, classes: list[str] | None) -> Data:
+    """An evaluation split labelled by the run's classes, else by the train split's."""
+    if classes is None and data.classes is not None:
+        train = read_index(store, "train", required=False)
+        classes = train.classes if train is not None else None
+    return labelled_by(data, classes, f"data.root={store.location}: the {split} shards")
 
 
 def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
@@ -289,16 +301,18 @@ def shard_layout(dataset) -> tuple[np.ndarray, int] | None:
     return (shard_of if indices is None else shard_of[indices]), len(base.index.shards)
 
 
-def validation_split(cfg: DataConfig) -> Data | None:
-    """The shards' own val split where a test split is there too (as ImageFolder's val/ beside test/), else None."""
+def validation_split(cfg: DataConfig, classes: list[str] | None = None) -> Data | None:
+    """The shards' own val split where a test split is there too (as ImageFolder's val/ beside test/), else None;
+    labelled by `classes` (the run's) as the test split is."""
     store = open_store(cfg)
     if read_index(store, "test", required=False) is None:
         return None
     index = read_index(store, "val", required=False)
     if index is None:
         return None
-    return Data(_split_samples(cfg, store, "val", index, train=False), cfg.num_classes or index.num_classes,
+    data = Data(_split_samples(cfg, store, "val", index, train=False), cfg.num_classes or index.num_classes,
                 input_shape(cfg, index), index.classes, finish=finish_of(cfg, index))
+    return _labelled(data, store, "val", classes)
 
 
 def image_converter(cfg: DataConfig):

@@ -200,9 +200,10 @@ def source_splits(cfg: DataConfig, storage: ImageStorage = ImageStorage()) -> li
     if cfg.name == "imagefolder" and cfg.synthetic:
         raise UserError("shard: data.synthetic=true has no image files to write for imagefolder; use a torchvision "
                         "dataset's recipe (fashion_mnist, cifar10, ...) with data.synthetic=true")
-    splits = []
+    splits, classes = [], None
     for split, train in (("train", True), ("test", False)):
-        data = build_dataset(cfg, train)
+        data = build_dataset(cfg, train, classes=classes)  # the test split labelled by the train split's names
+        classes = data.classes if train else classes
         if isinstance(data.dataset, InMemoryImages):
             splits.append(_in_memory(cfg, data, split, storage))
         elif cfg.name == "imagefolder":
@@ -211,7 +212,7 @@ def source_splits(cfg: DataConfig, storage: ImageStorage = ImageStorage()) -> li
             splits.append(_as_written(cfg, data, split))
     own = own_validation_folder(cfg)
     if own is not None:
-        validation = imagefolder_data(cfg, own, imagefolder_transform(cfg, False), cfg.eval_subset)
+        validation = imagefolder_data(cfg, own, imagefolder_transform(cfg, False), cfg.eval_subset, classes=classes)
         splits.append(_imagefolder(cfg, validation.dataset, "val", storage))
     return splits
 
