@@ -26,15 +26,14 @@ def pytest_configure(config):
     # the test that happens to import torch first is not taken for one that starts a process.
     import torch
 
-    # matplotlib's first import on a machine builds its font cache by running fc-list (twice): done here too, so that
-    # the first test that draws (a run's curves, a sweep's parameters.png) on a fresh machine is not taken for one that
-    # starts processes.
-    import matplotlib.font_manager  # noqa: F401
-
     # One CPU thread in each process that runs tests, as in every command a test starts (OMP_NUM_THREADS=1, in
     # support.commands): make test runs one worker a core, and two threads each on two cores made the in-process
     # runs 1.1 to 5 times slower.
     torch.set_num_threads(1)
+    # matplotlib's first import on a machine builds its font cache by running fc-list (twice): done here too, so that
+    # the first test that draws (a run's curves, a sweep's parameters.png) on a fresh machine is not taken for one that
+    # starts processes.
+    import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.fixture(scope="session")
