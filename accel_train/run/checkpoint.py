@@ -53,9 +53,11 @@ from accel_train.run.checkpoint_files import (
     FORMAT,
     PART_DONE,
     PARTIAL_PREFIX,
+    TENSOR_PART,
     fsync,
     list_checkpoints,
     read_meta,
+    save_tensor_part,
     sizes,
     to_keep,
     write_synced,
@@ -138,12 +140,12 @@ class Checkpoints:
         self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
         states = states or {}
         self.prepared = prepared
-        for part in states.values():
-            if isinstance(part, torch.nn.Module):  # before load_state: a resume restores it
-                accelerator.register_for_checkpointing(part)
-                if prepared is not None:
-                    prepared.custom.append(part)
-        self.states = {name: part for name, part in states.items() if not isinstance(part, torch.nn.Module)}
+        # A part with tensors (the EMA) is written as NAME.safetensors, not through Accelerate's
+        # register_for_checkpointing, whose pickle Accelerate loads with weights_only=False (it could run code).
+        self.tensor_parts = {name: part for name, part in states.items() if isinstance(part, torch.nn.Module)}
+        if prepared is not None:
+            prepared.parts.update(self.tensor_parts)
+        self.states = {name: part for name, part in states.items() if name not in self.tensor_parts}
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -204,6 +206,8 @@ class Checkpoints:
             snapshot = self.snapshots.take(accelerator, self.prepared) if self.prepared is not None else None
             if snapshot is None:
                 accelerator.save_state(str(partial))
+                for part_name, part in self.tensor_parts.items() if accelerator.is_main_process else ():
+                    save_tensor_part(part.state_dict(), partial / TENSOR_PART.format(name=part_name))
         blocked = time.perf_counter() - began
         saved = copy.copy(progress)  # the loop goes on changing `progress`
         job = self.worker.submit(self._write_and_commit, saved, evaluated, name, partial, snapshot, loop_state,
@@ -341,7 +345,7 @@ class Checkpoints:
         if self.mirror is None:
             for marker in markers:
                 (partial / marker).unlink()
-            return {str(path.relative_to(partial)): [path.stat().st_size, None]
+            return {str(path.relative_to(partial)): [path.stat().st_size, sha256_of(path)]
                     for path in sorted(partial.rglob("*")) if path.is_file()}
         parts: dict[str, list] = {}
         for marker in markers:
@@ -368,7 +372,7 @@ class Checkpoints:
             "world_size": self.accelerator.num_processes,
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "files": sizes(parts),
-            **({"sha256": {file: part[1] for file, part in parts.items()}} if self.mirror is not None else {}),
+            "sha256": {file: part[1] for file, part in parts.items()},  # checked before anything is loaded
             "config": self.config.to_dict(),
         }
         text, final = json.dumps(meta, indent=1), self.directory / name
@@ -392,6 +396,16 @@ class Checkpoints:
         for folder, meta in checkpoints:
             if folder not in keep:
                 self._delete(folder, meta)
+
+    def _loop_states(self, folder: Path, meta: dict) -> tuple[str | None, dict | None]:
+        """(what is damaged, None) or (None, this process's saved parts by name): its own loop state, or at another
+        world size the saved processes' merged."""
+        try:
+            if meta["world_size"] == self.accelerator.num_processes:
+                return None, read_loop_state(folder, self.accelerator.process_index, meta)
+            return None, merged_loop_states(self.states, folder, meta)
+        except (OSError, ValueError, TypeError, KeyError) as err:  # JSONDecodeError, UnicodeDecodeError: ValueError
+            return f"a loop state does not read ({type(err).__name__}: {str(err).splitlines()[0][:200]})", None
 
     def _delete(self, folder: Path, meta: dict) -> None:
         """A committed checkpoint; in a store, uncommitted first (its manifest), then emptied of what it lists."""
@@ -424,22 +438,22 @@ class Checkpoints:
                 refuse_other_identity(self.where(folder), meta, config)
             trouble = fetch_once_per_machine(accelerator, self.mirror, folder, meta) if self.mirror is not None \
                 else None
-            if trouble is None:
+            if trouble is None:  # before anything is read: sizes, and content (sha256) where the fetch did not check it
+                trouble = damage(folder, meta, content=self.mirror is None and accelerator.is_local_main_process)
+            if not any_process(trouble is not None, accelerator):  # every process loads, or none
                 refuse_what_cannot_continue(folder, self.where(folder), meta, config, accelerator, model,
                                              steps_per_epoch)
-                trouble = damage(folder, meta)
-            error = None
-            if trouble is None:
-                trouble, error = load_checkpoint(accelerator, folder)
-            error = first_message(error, accelerator)
-            if error:  # not damage: an older checkpoint would fail the same way, and this one is probably good
-                raise UserError(f"resume: cannot load {self.where(folder)}, whose files are whole: {error}; this is "
-                                "not damage in the checkpoint but a library that differs from what accel-train "
-                                "expects (see accel-train --version) or a bug; the checkpoint is left as it is")
-            if not any_process(trouble is not None, accelerator):
-                break
+                trouble, error = load_checkpoint(accelerator, folder, meta, self.tensor_parts)
+                if trouble is None and error is None:
+                    trouble, saved = self._loop_states(folder, meta)
+                error = first_message(error, accelerator)
+                if error:  # not damage: an older checkpoint would fail the same way, and this one is probably good
+                    raise UserError(f"resume: cannot load {self.where(folder)}, whose files are whole: {error}; the "
+                                    "checkpoint is left as it is")
+                if not any_process(trouble is not None, accelerator):
+                    break
             warn(accelerator, f"checkpoint {self.where(folder)} is unusable "
-                              f"({trouble or 'another process could not load it'}); trying the previous one")
+                              f"({trouble or 'another process found it damaged'}); trying the previous one")
         else:
             where = self.where(directory) if config.resume == "auto" else config.resume
             raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from "
@@ -456,10 +470,7 @@ class Checkpoints:
         # steps (and is missing for a process that run did not have); a checkpoint is at an optimizer step, where
         # the count starts over.
         accelerator.step = 0
-        if meta["world_size"] == accelerator.num_processes:
-            saved = read_loop_state(folder, accelerator.process_index, meta)
-        else:
-            saved = merged_loop_states(self.states, folder, meta)
+        if meta["world_size"] != accelerator.num_processes:
             reseed_processes(config.seed, meta["step"], accelerator)
         for name, part in self.states.items():
             if saved.get(name) is not None:

@@ -1,5 +1,6 @@
-"""A checkpoint as files: the folder `accelerator.save_state` writes plus checkpoint.json, which describes it; found
-and ordered by that file (never by name); which of them retention keeps; and the fsync helpers a commit uses."""
+"""A checkpoint as files: the folder `accelerator.save_state` writes, the parts accel-train writes itself, and
+checkpoint.json, which describes them (each file's size and sha256); found and ordered by that file (never by name);
+which of them retention keeps; and the fsync helpers a commit uses."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from accel_train.run.layout import CHECKPOINT_META_FILE
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
 PART_DONE = ".part-{process}.json"  # a process's part of a checkpoint is complete (in a store: its files' hashes)
+# A stateful part with tensors (the EMA of the weights): written by accel-train as safetensors, read back without
+# unpickling anything. Checkpoints written before kept it where Accelerate's register_for_checkpointing does, as a
+# pickle that Accelerate always loads with weights_only=False; those are read with weights_only=True.
+TENSOR_PART = "{name}.safetensors"
+ACCELERATE_CUSTOM = "custom_checkpoint_{index}.pkl"
 
 
 def read_meta(folder: Path) -> dict | None:
@@ -62,3 +68,26 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def save_tensor_part(state: dict, path: Path) -> None:
+    """A part's state_dict (tensors only) as safetensors, from copies: safetensors refuses tensors that share memory."""
+    from accelerate.utils import save
+
+    save({key: value.detach().to("cpu", copy=True).contiguous() for key, value in state.items()}, path,
+         safe_serialization=True)
+
+
+def load_tensor_parts(folder: Path, parts: dict) -> None:
+    """Each part's state from `folder` into the part: NAME.safetensors, else (an older checkpoint) Accelerate's
+    custom_checkpoint_I.pkl, numbered in the order the parts were registered, read with weights_only=True."""
+    import torch
+    from safetensors.torch import load_file
+
+    for index, (name, part) in enumerate(parts.items()):
+        path = folder / TENSOR_PART.format(name=name)
+        if path.is_file() or not (folder / ACCELERATE_CUSTOM.format(index=index)).is_file():
+            state = load_file(path)
+        else:
+            state = torch.load(folder / ACCELERATE_CUSTOM.format(index=index), map_location="cpu", weights_only=True)
+        part.load_state_dict(state)

@@ -1,7 +1,8 @@
 """What to resume and whether it fits: `resume=` checked before any data loads, a checkpoint refused in one line
-when this run cannot continue from it (another run, other tensors, steps per epoch, shard order or EMA), loaded
-with `weights_only` (nothing in a checkpoint runs code when read), told apart from damage, and each part's saved
-state read back, merged across world sizes where the saved processes' states differ."""
+when this run cannot continue from it (another run, other tensors, steps per epoch, shard order or EMA), each file
+checked against its manifest (size and sha256) before any is read, loaded with `weights_only` or from safetensors
+(nothing in a checkpoint runs code when read), told apart from damage, and each part's saved state read back,
+merged across world sizes where the saved processes' states differ."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
 from accel_train.console import warn
 from accel_train.errors import UserError
-from accel_train.run.checkpoint_files import list_checkpoints, read_meta
+from accel_train.run.checkpoint_files import ACCELERATE_CUSTOM, list_checkpoints, load_tensor_parts, read_meta
 from accel_train.run.layout import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LOOP_STATE_FILE, MODEL_FILE, checkpoints_dir
 from accel_train.run.location import Mirror, RunPlace, sha256_of
 from accel_train.run.weights import shape_mismatch
@@ -157,25 +161,82 @@ def linked(fetched: Path, folder: Path, meta: dict) -> str | None:
     return None
 
 
-def damage(folder: Path, meta: dict) -> str | None:
+def damage(folder: Path, meta: dict, content: bool = True) -> str | None:
+    """What is wrong with a checkpoint's files before any is read: a file missing, of another size, or (`content`)
+    whose sha256 is not the one its manifest records (checkpoints written before hashes were recorded locally: sizes
+    only); None when they are as written."""
+    hashes = meta.get("sha256") or {}
     for name, size in meta["files"].items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, {size} were written"
+        if content and hashes.get(name) and sha256_of(path) != hashes[name]:
+            return f"{name} is not the file that was written (its sha256 differs from the manifest's)"
     return None
 
 
-def load_checkpoint(accelerator: Accelerator, folder: Path) -> tuple[str | None, str | None]:
-    """Load a checkpoint: (what is damaged, None), or (None, an error that is not damage), or (None, None)."""
+class Damaged(Exception):
+    """A checkpoint file that reads, but not as what accel-train wrote there."""
+
+
+RANDOM_STATES = ("random_state", "numpy_random_seed", "torch_manual_seed")  # what Accelerate restores on any device
+
+
+def check_random_states(folder: Path, process: int, meta: dict) -> None:
+    """This process's saved random states read as Accelerate reads them (weights_only): Accelerate's load_state
+    swallows a file that fails to load (a line at info level) and the resume goes on, no longer exact. A process
+    the saved run did not have has none, and is reseeded (reseed_processes)."""
+    from accelerate.utils import RNG_STATE_NAME
+    from accelerate.utils import load as accelerate_load
+
+    if process >= meta["world_size"]:
+        return
+    name = f"{RNG_STATE_NAME}_{process}.pkl"
+    states = accelerate_load(folder / name)
+    if not isinstance(states, dict) or any(key not in states for key in RANDOM_STATES):
+        raise Damaged(f"{name} holds no random states")
+
+
+def load_checkpoint(accelerator: Accelerator, folder: Path, meta: dict,
+                    tensor_parts: dict | None = None) -> tuple[str | None, str | None]:
+    """Load a checkpoint, and the parts accel-train wrote itself (`tensor_parts`, by name): (what is damaged, None),
+    or (None, an error that is not damage), or (None, None). Nothing is unpickled but with weights_only."""
     try:
-        # weights_only: the optimizer, scheduler and RNG files are pickles; only tensors and plain data may load.
-        accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
+        check_random_states(folder, accelerator.process_index, meta)
+        with without_accelerate_custom_objects(folder) as readable:
+            # weights_only: the optimizer, scheduler and RNG files are pickles; only tensors and plain data may load.
+            accelerator.load_state(str(readable), load_kwargs={"weights_only": True})
+        load_tensor_parts(folder, tensor_parts or {})
     except Exception as err:
+        # torch's words: "Unsupported global: GLOBAL x.y was not an allowed global", "unsupported GLOBAL os.system
+        # whose module os is blocked"
+        refused = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.IGNORECASE)
+        if refused:  # whole, and naming a function: what a library that differs writes, or someone else
+            return None, (f"a file holds a call to {refused.group(1)}, which loading with weights_only refuses; "
+                          "nothing in it was run (accel-train's own checkpoints hold no such call: a library that "
+                          "differs wrote it, or someone else did)")
         text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        return (text, None) if is_damage(err) else (None, text)
+        return (text, None) if is_damage(err) else (None, f"{text}; this is not damage in the checkpoint but a "
+                                                          "library that differs from what accel-train expects (see "
+                                                          "accel-train --version) or a bug")
     return None, None
+
+
+@contextmanager
+def without_accelerate_custom_objects(folder: Path):
+    """`folder`, or where a checkpoint of an earlier version holds Accelerate's custom_checkpoint_I.pkl (which
+    load_state would unpickle with weights_only=False, or refuse when nothing is registered), a folder of links to
+    its other files: load_tensor_parts reads those with weights_only=True."""
+    if not any(folder.glob(ACCELERATE_CUSTOM.format(index="*"))):
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix="accel-train-resume-") as links:
+        for path in folder.iterdir():
+            if not re.fullmatch(ACCELERATE_CUSTOM.format(index=r"\d+").replace(".", r"\."), path.name):
+                (Path(links) / path.name).symlink_to(path.resolve())
+        yield Path(links)
 
 
 def is_damage(err: Exception) -> bool:
@@ -184,7 +245,7 @@ def is_damage(err: Exception) -> bool:
 
     if isinstance(err, PermissionError):  # a file we may not read is whole: say so rather than skip it
         return False
-    if isinstance(err, (SafetensorError, EOFError, OSError)):
+    if isinstance(err, (SafetensorError, EOFError, OSError, Damaged)):
         return True
     if isinstance(err, pickle.UnpicklingError):  # torch's weights-only unpickler: garbage, or a class it refuses
         return "Unsupported global" not in str(err)

@@ -9,9 +9,10 @@ save_state writes, by the same names and serializers, so accelerator.load_state 
 cannot copy the same way (FSDP, DeepSpeed, a loader whose sampler Accelerate saves, a device other than CPU or CUDA)
 is saved by save_state itself.
 
-What save_state saves is what the run prepared and registered: the run says so (`Prepared`), in the order it
-prepared them (save_state numbers the files so), rather than this module reading Accelerate's private lists, which
-any release may rename. tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py holds the two to the same files.
+What save_state saves is what the run prepared: the run says so (`Prepared`), in the order it prepared them
+(save_state numbers the files so), rather than this module reading Accelerate's private lists, which any release may
+rename; beside them, accel-train's own parts with tensors (the EMA) as safetensors.
+tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py holds the two to the same files.
 
 No buffer is copied into while a write may still read it, or a checkpoint could mix two steps. A save normally finds
 the previous write done and reuses its buffers; when that write outlasted checkpoint.upload_wait_s and training went
@@ -42,6 +43,8 @@ from accelerate.utils import (
 )
 from accelerate.utils import save as accelerate_save
 
+from accel_train.run.checkpoint_files import TENSOR_PART
+
 BUFFER_SETS = 2  # one for the write under way, one for the save after it (module docstring)
 
 
@@ -53,7 +56,8 @@ class Prepared:
     optimizers: Sequence[torch.optim.Optimizer] = ()
     schedulers: Sequence[object] = ()
     loaders: Sequence[object] = ()  # prepared DataLoaders: save_state saves the state of some (see _copyable)
-    custom: Sequence[object] = field(default_factory=list)  # accelerator.register_for_checkpointing's parts
+    # accel-train's own parts with tensors (the EMA), written beside save_state's files as NAME.safetensors
+    parts: dict[str, torch.nn.Module] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,8 +103,8 @@ class Snapshots:
                                                                            scheduler.state_dict()), False)
             if accelerator.scaler is not None:
                 files[SCALER_NAME] = (_copy(buffers, "scaler", accelerator.scaler.state_dict()), False)
-            for index, part in enumerate(prepared.custom):
-                files[f"custom_checkpoint_{index}.pkl"] = (_copy(buffers, f"custom{index}", part.state_dict()), False)
+            for name, part in prepared.parts.items():
+                files[TENSOR_PART.format(name=name)] = (_copy(buffers, f"part/{name}", part.state_dict()), True)
         rng = {"step": accelerator.step, "random_state": random.getstate(),
                "numpy_random_seed": np.random.get_state(), "torch_manual_seed": torch.get_rng_state()}
         copied = None

@@ -52,7 +52,20 @@ def weights_file(checkpoint: str, key: str = "checkpoint") -> Path:
     if not weights.is_file():
         raise DataNotFoundError(f"{key}={checkpoint}: no {MODEL_FILE} there; pass the output_dir of a run, "
                                 "a checkpoint folder or the file")
+    _refuse_other_content(weights, f"{key}={checkpoint}")
     return weights
+
+
+def _refuse_other_content(weights: Path, named: str) -> None:
+    """A checkpoint's weights whose sha256 is not the one its checkpoint.json records: one line, before any read."""
+    from accel_train.run.checkpoint_files import read_meta
+    from accel_train.run.location import sha256_of
+
+    recorded = ((read_meta(weights.parent) or {}).get("sha256") or {}).get(weights.name)
+    if recorded and sha256_of(weights) != recorded:
+        raise UnreadableFileError(f"{named}: {weights.name} is not the file that was written (its sha256 differs from "
+                                  f"{weights.parent / 'checkpoint.json'}): damaged or replaced; use another checkpoint "
+                                  "of the run")
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

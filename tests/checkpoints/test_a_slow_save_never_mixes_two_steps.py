@@ -209,8 +209,9 @@ def same(saved, synchronous) -> bool:
 
 
 def test_a_background_save_writes_the_files_save_state_writes_with_the_same_contents(tmp_path):
-    # A run's parts as setup prepares them (a model with buffers, AdamW, a schedule, a loader) and registers them (an
-    # EMA module, through Checkpoints' states), one step in: both saves at the same moment.
+    # A run's parts as setup prepares them (a model with buffers, AdamW, a schedule, a loader) and one of accel-train's
+    # own with tensors (an EMA module, through Checkpoints' states), one step in: saved in the background, and saved by
+    # save_state (Checkpoints without `prepared`), at the same moment.
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -225,20 +226,22 @@ def test_a_background_save_writes_the_files_save_state_writes_with_the_same_cont
     optimizer.step()
     scheduler.step()
     ema = torch.nn.Linear(8, 2)
-    config = load_config("mnist_cnn", [f"output_dir={tmp_path / 'run'}"])
-    prepared = Prepared(models=[model], optimizers=[optimizer], schedulers=[scheduler], loaders=[loader])
-    with Checkpoints(config, accelerator, RunPlace(config.output_dir), states={"ema": ema},
-                     prepared=prepared) as checkpoints:
-        save(checkpoints, 1)
-        accelerator.save_state(str(tmp_path / "synchronous"))
-    ((folder, meta),) = list_checkpoints(checkpoints.directory)
-    written = {path.name: path for path in folder.iterdir() if path.name in meta["files"]
-               and not path.name.startswith("loop_state_")}  # accel-train's own part, beside Accelerate's
-    expected = {path.name: path for path in (tmp_path / "synchronous").iterdir()}
-    assert sorted(written) == sorted(expected) and "custom_checkpoint_0.pkl" in written, (sorted(written),
-                                                                                          sorted(expected))
+    folders = {}
+    for way, prepared in (("background", Prepared(models=[model], optimizers=[optimizer], schedulers=[scheduler],
+                                                  loaders=[loader])), ("save_state", None)):
+        config = load_config("mnist_cnn", [f"output_dir={tmp_path / way}"])
+        with Checkpoints(config, accelerator, RunPlace(config.output_dir), states={"ema": ema},
+                         prepared=prepared) as checkpoints:
+            save(checkpoints, 1)
+        ((folder, meta),) = list_checkpoints(checkpoints.directory)
+        folders[way] = {path.name: path for path in folder.iterdir() if path.name in meta["files"]}
+    written, expected = folders["background"], folders["save_state"]
+    assert sorted(written) == sorted(expected) and "ema.safetensors" in written, (sorted(written), sorted(expected))
+    assert same(load_file(written["ema.safetensors"]), ema.state_dict())
     for name, path in expected.items():
         if name.endswith(".safetensors"):
             assert same(load_file(written[name]), load_file(path)), name
+        elif name.endswith(".json"):
+            assert written[name].read_text() == path.read_text(), name
         else:
             assert same(torch.load(written[name], weights_only=False), torch.load(path, weights_only=False)), name

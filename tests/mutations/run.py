@@ -116,9 +116,9 @@ MUTATIONS = [
              "download(mirror, fetched / str(accelerator.process_index), folder.name, meta)\n"
              "    fetched = fetched / str(accelerator.process_index)\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::-k reading_its_checkpoint_once",)),
-    Mutation("a part registered for checkpointing (the EMA) left out of the background save",
-             "accel_train/run/checkpoint.py", "                    prepared.custom.append(part)\n",
-             "                    pass\n",
+    Mutation("a part with tensors (the EMA) left out of the background save",
+             "accel_train/run/checkpoint.py", "            prepared.parts.update(self.tensor_parts)\n",
+             "            pass\n",
              ("tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py::-k same_contents",)),
     Mutation("the background save names the weights as DDP wraps them (module.*), not as save_state does",
              "accel_train/run/snapshot.py",
@@ -503,6 +503,18 @@ MUTATIONS = [
              "accel_train/data/classes.py", "    return [position[name] for name in own]",
              "    return list(range(len(own)))",
              ("tests/data/test_labels_matched_by_name.py::test_an_evaluation_folder_lacking_a_class_scores_as_predict_labels_its_files",)),
+    Mutation("a registered part (an earlier version's EMA pickle) loaded with weights_only=False",
+             "accel_train/run/checkpoint_files.py", 'map_location="cpu", weights_only=True)',
+             'map_location="cpu", weights_only=False)',
+             ("tests/checkpoints/test_a_checkpoint_runs_no_code_and_damage_never_resumes.py::-k written_before",)),
+    Mutation("a checkpoint's files read without checking their sha256 against the manifest",
+             "accel_train/run/resume.py", "if content and hashes.get(name) and sha256_of(path) != hashes[name]:",
+             "if False:",
+             ("tests/checkpoints/test_a_checkpoint_runs_no_code_and_damage_never_resumes.py::test_a_file_replaced_by_a_pickle_that_runs_code_is_damage_and_the_previous_checkpoint_resumes",)),
+    Mutation("random states that do not load resumed silently (as Accelerate's load_state does)",
+             "accel_train/run/resume.py", '    if process >= meta["world_size"]:\n        return',
+             "    return",
+             ("tests/checkpoints/test_a_checkpoint_runs_no_code_and_damage_never_resumes.py::test_a_random_state_file_garbled_at_its_own_size_is_damage_not_a_resume_that_is_no_longer_exact",)),
 ]
 
 
