@@ -65,7 +65,7 @@ class DataConfig:
     download: bool = doc("let torchvision download the dataset when no local copy exists", default=True)
     synthetic: bool = doc("replace the dataset by torchvision FakeData of the same shape (smoke tests)", default=False)
     augment: bool = doc("random crop + horizontal flip on training images", default=False)
-    trivial_augment: bool = doc("file-backed data (imagefolder, data.on_device=false): torchvision's "
+    trivial_augment: bool = doc("file-backed data (imagefolder, shards, data.on_device=false): torchvision's "
                                 "TrivialAugmentWide on training images", default=False)
     random_erasing: float = doc("file-backed data: probability of torchvision's RandomErasing on a training image "
                                 "(0 = off)", default=0.0, within=PROBABILITY)

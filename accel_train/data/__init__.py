@@ -55,12 +55,12 @@ def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None,
 def check_data_name(cfg: DataConfig) -> None:
     """Before any data loads: a registered name, or an import path to a function that takes train= and data.args;
     per-sample augmentation only where samples are transformed one by one."""
-    if (cfg.trivial_augment or cfg.random_erasing) and not (cfg.name == "imagefolder" or
+    if (cfg.trivial_augment or cfg.random_erasing) and not (cfg.name in ("imagefolder", "shards") or
                                                             (cfg.name in SOURCES and not cfg.on_device)):
         where = "set data.on_device=false to transform samples one by one in DataLoader workers" \
             if cfg.name in SOURCES else "a dataset by import path applies its own transforms"
-        raise UserError(f"data.trivial_augment / data.random_erasing apply to file-backed data (imagefolder, or "
-                        f"{', '.join(SOURCES)} with data.on_device=false); data.name={cfg.name}: {where}")
+        raise UserError(f"data.trivial_augment / data.random_erasing apply to file-backed data (imagefolder, shards, "
+                        f"or {', '.join(SOURCES)} with data.on_device=false); data.name={cfg.name}: {where}")
     if is_import_path(cfg.name):
         check_user_dataset(cfg)
     elif not is_given_object(cfg.name):

@@ -44,9 +44,16 @@ def imagefolder(cfg: DataConfig, train: bool, classes: list[str] | None = None) 
     root = Path(cfg.root)
     if train or classes is None:
         _imagefolder_split(root, not train)  # report a missing train or test folder before reading either
-    return imagefolder_data(cfg, _imagefolder_split(root, train), transform,
-                            cfg.train_subset if train else cfg.eval_subset, augmenting=augments(cfg, train),
-                            classes=None if train else classes or training_classes(root))
+    if train:
+        return training_split(cfg)
+    return imagefolder_data(cfg, _imagefolder_split(root, train), transform, cfg.eval_subset,
+                            classes=classes or training_classes(root))
+
+
+def training_split(cfg: DataConfig) -> Data:
+    """data.root/train, whether or not an evaluation split is there (bench --input, shards of the training split)."""
+    return imagefolder_data(cfg, _imagefolder_split(Path(cfg.root), True), imagefolder_transform(cfg, True),
+                            cfg.train_subset, augmenting=augments(cfg, True))
 
 
 def training_classes(root: Path) -> list[str]:

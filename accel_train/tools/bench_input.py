@@ -44,7 +44,7 @@ BATCHES_PER_WORKER = 8
 
 def run_input_bench(recipe: str, overrides: list[str], batches: int | None, demand: float | None) -> dict:
     from accel_train.data.decode import decoder_name
-    from accel_train.data.imagefolder import imagefolder_normalization
+    from accel_train.data.imagefolder import imagefolder_normalization, training_split
     from accel_train.distributed.accelerator import make_accelerator
     from accel_train.tools.photos import make_photo_folder
 
@@ -65,14 +65,11 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
         root = make_photo_folder(out / "photos", train=batch * (batches + WARMUP_BATCHES), test=batch)
         say(f"bench --input: a folder of photographs at {root} ({time.perf_counter() - started:.0f} s)")
         data = dataclasses.replace(data, root=str(root))
-    elif root_given and not (Path(data.root) / "train").is_dir():  # ImageFolder's own line for a missing folder
-        from accel_train.data.imagefolder import _imagefolder_split
-
-        _imagefolder_split(Path(data.root), train=True)
     data = dataclasses.replace(data, synthetic=False, train_subset=None, eval_subset=None)
     size = data.image_size or 224
     mean, std = imagefolder_normalization(data)  # as our path normalises: data.mean / data.std, else ImageNet's
-    files = sorted(str(path) for path in (Path(data.root) / "train").rglob("*") if path.is_file())
+    # exactly the files training reads (ImageFolder's: images by extension, in class folders), train/ alone needed
+    files = sorted(path for path, _ in training_split(data).dataset.samples)
     if len(files) < batch * (batches + WARMUP_BATCHES):
         raise UserError(f"bench --input: {len(files)} files in {data.root}/train, fewer than the "
                         f"{batch * (batches + WARMUP_BATCHES)} that {WARMUP_BATCHES} warm-up and {batches} timed "
@@ -89,7 +86,8 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
     for images, at in stored.items():
         started = time.perf_counter()
         shutil.rmtree(at, ignore_errors=True)  # written again: a rerun's check would not see the folder change
-        write_shards(data, str(at), images=images, shrink_to=None if images == "as_given" else resize)
+        write_shards(data, str(at), images=images, shrink_to=None if images == "as_given" else resize,
+                     splits=("train",))
         say(f"bench --input: shards of {data.root} ({images}) at {at} ({time.perf_counter() - started:.0f} s)")
 
     rows = []
@@ -201,9 +199,10 @@ def our_loader(accelerator, cfg: DataConfig, batch: int, workers: int):
     crops of raw pixels resized there): the float batch a step takes."""
     from accel_train.data import build_dataset, make_loader, start_epoch
     from accel_train.data.decode import model_input
+    from accel_train.data.imagefolder import training_split
 
     cfg = dataclasses.replace(cfg, num_workers=workers)
-    data = build_dataset(cfg, train=True)
+    data = training_split(cfg) if cfg.name == "imagefolder" else build_dataset(cfg, train=True)
     loader = accelerator.prepare(make_loader(data, cfg, batch, True, accelerator.device))
     start_epoch(loader, 0, 0)
     return (model_input(data.finish, batch)[0] for batch in loader)

@@ -227,12 +227,26 @@ KEYED_DATA = {
     "raw_pixel_shards_of_that_tree": ["data.name=shards", "data.synthetic=false", "data.augment=true",
                                       "data.image_size=16"],
     "raw_pixel_shards_of_the_registry": ["data.name=shards", "data.synthetic=false", "data.augment=true"],
+    # TrivialAugment and random erasing on shards: per sample, on the host, keyed as every other draw
+    "raw_pixel_shards_of_that_tree_trivially_augmented_and_erased": [
+        "data.name=shards", "data.synthetic=false", "data.augment=true", "data.image_size=16",
+        "data.trivial_augment=true", "data.random_erasing=0.5"],
+    "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": [
+        "data.name=shards", "data.synthetic=false", "data.augment=true", "data.trivial_augment=true",
+        "data.random_erasing=0.5"],
 }
+# What each run's data is made from: an ImageFolder tree of JPEGs, shards of it as raw pixels, the registry's shards
+SOURCE = {"imagefolder_tree_augmented": "tree", "raw_pixel_shards_of_that_tree": "tree shards",
+          "raw_pixel_shards_of_the_registry": "registry shards",
+          "raw_pixel_shards_of_that_tree_trivially_augmented_and_erased": "tree shards",
+          "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": "registry shards"}
 # (processes, DataLoader workers) of the launched runs: at 2 processes with and without workers, for a user dataset,
 # for an ImageFolder of JPEGs (decoded into tensors, cropped and flipped as uint8, normalised on the device) and for
 # shards of it as raw pixels shrunk to 18 px (nothing decoded)
 LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 0), (2, 2)],
-            "raw_pixel_shards_of_that_tree": [(2, 0), (2, 2)], "raw_pixel_shards_of_the_registry": [(2, 0), (2, 2)]}
+            "raw_pixel_shards_of_that_tree": [(2, 0), (2, 2)], "raw_pixel_shards_of_the_registry": [(2, 0), (2, 2)],
+            "raw_pixel_shards_of_that_tree_trivially_augmented_and_erased": [(2, 2)],
+            "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": [(2, 2)]}
 
 
 def _imagefolder_tree(root) -> str:
@@ -277,13 +291,13 @@ def keyed_runs(request, tmp_path_factory):
     """The same run of a dataset whose transforms draw at random: {name: its drawn()}. One process without workers
     (the reference), launched at 2 processes, crashed after step 4 with 2 workers and resumed, and with seed 2."""
     tmp = tmp_path_factory.mktemp(request.param)
-    data = KEYED_DATA[request.param]
-    if request.param.startswith("imagefolder"):
+    data, source = KEYED_DATA[request.param], SOURCE.get(request.param)
+    if source == "tree":
         data = [*data, f"data.root={_imagefolder_tree(tmp / 'images')}"]
-    elif request.param.startswith("raw_pixel_shards"):
+    elif source is not None:
         from accel_train.data.shards.writer import write_shards
 
-        if request.param.endswith("tree"):
+        if source == "tree shards":
             tree = load_config("imagefolder", [f"data.root={_imagefolder_tree(tmp / 'images')}"]).data
             write_shards(tree, str(tmp / "shards"), shard_mb=0.005, images="raw", shrink_to=18)
         else:  # cropped and flipped on the device, from the keys the batches carry

@@ -145,9 +145,10 @@ def test_a_damaged_jpeg_in_a_folder_and_inside_a_shard_is_one_line_naming_it(tmp
     with pytest.raises(UnreadableFileError) as in_shard:
         for index in range(len(dataset)):
             dataset[index]
-    said = str(in_shard.value)
-    assert said.startswith(f"shards: cannot read {tmp_path / 'shards'}/train/shard-") and "(sample " in said and \
-        said.endswith("); replace that image in the source and write the shards again") and "\n" not in said
+    said = str(in_shard.value)  # its shard, its place there, and the file to replace
+    assert said.startswith(f"shards: cannot read {tmp_path / 'shards'}/train/shard-000000.tar (sample 3, .jpg; "
+                           f"written from {broken}) as an image (") and "\n" not in said, said
+    assert said.endswith("); replace that image in the source and write the shards again"), said
 
 
 def test_a_file_whose_header_is_damaged_stops_the_shard_writer_in_one_line_naming_it(tmp_path):

@@ -360,3 +360,36 @@ def test_shard_index_never_replaces_the_index_accel_train_shard_wrote_and_refuse
     said = _one_line(["shard", "index", str(tars)], 3, capsys)
     assert said.startswith(f"shard index: {tars}/train/mine-000.tar is not a whole tar (cut short: ")
     assert not list(tars.rglob("index.json"))
+
+
+def test_a_source_that_cannot_be_read_is_refused_before_anything_is_recorded_so_the_corrected_command_writes(
+        tmp_path):
+    """A mistyped data.root, then a class folder with no image: neither leaves a write behind for the corrected
+    command to be refused as "cut short of other settings"."""
+    from accel_train.errors import DataNotFoundError
+
+    tree = image_tree(tmp_path / "tree", {"train": 2, "test": 1}, {"train": 0, "test": 100})
+    (tree / "test" / "owl").mkdir()
+    output = str(tmp_path / "shards")
+    for mistake in (tmp_path / "mistyped", tree):
+        with pytest.raises(DataNotFoundError):
+            write_shards(load_config("imagefolder", [f"data.root={mistake}"]).data, output)
+        assert not Store(output, "output").exists("shard-writing.json")
+    (tree / "test" / "owl").rmdir()
+
+    write_shards(load_config("imagefolder", [f"data.root={tree}"]).data, output)
+
+    assert read_index(Store(output, "output"), "test").samples == 2
+
+
+def test_a_broken_link_in_the_source_is_one_line_naming_it(tmp_path, capsys):
+    tree = image_tree(tmp_path / "tree", {"train": 2, "test": 1}, {"train": 0, "test": 100})
+    broken = tree / "train" / "dog" / "9.png"
+    broken.symlink_to(tmp_path / "gone.png")
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["shard", "imagefolder", f"data.root={tree}", f"output={tmp_path / 'shards'}"])
+
+    assert exited.value.code == 3
+    assert capsys.readouterr().err == (f"accel-train: error: shard: cannot read {broken} (train split) as an image "
+                                       "(No such file or directory); delete or replace that file\n")

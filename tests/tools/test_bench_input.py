@@ -5,6 +5,7 @@ The numbers are not judged: timings belong to the bench, not to tests."""
 
 import hashlib
 import json
+import shutil
 
 import pytest
 from PIL import Image
@@ -37,8 +38,16 @@ def test_a_folder_of_photographs_is_imagenet_shaped_the_same_for_the_same_seed_a
 
 @needs_photos
 def test_bench_input_measures_every_way_on_the_same_files_at_one_core_and_at_all(tmp_path):
+    """On a folder with a training split alone, among whose images lie files that are none (a README, macOS's
+    .DS_Store): the files training reads, and no others."""
+    from accel_train.tools.photos import make_photo_folder
+
+    photos = make_photo_folder(tmp_path / "photos", train=12, test=4)
+    shutil.rmtree(photos / "test")
+    (photos / "train" / "README.txt").write_text("photographs from Debian's mate-backgrounds\n")
+    next((photos / "train").iterdir()).joinpath(".DS_Store").write_bytes(b"\0\0\0\1Bud1")
     result = run_cli("bench", "--input", "--steps", "2", "--demand", "1000", "train.batch_size=4",
-                     f"output_dir={tmp_path}", timeout=600)
+                     f"data.root={photos}", f"output_dir={tmp_path}", timeout=600)
     bench = json.loads((tmp_path / "bench_input.json").read_text())
     measured = [row for row in bench["rows"] if "all_cores" in row]
     starts = ["decoding alone", "torchvision's recipe", "accel-train ImageFolder", "accel-train shards of that folder",
@@ -51,7 +60,7 @@ def test_bench_input_measures_every_way_on_the_same_files_at_one_core_and_at_all
         assert row["cores_per_gpu"] == pytest.approx(1000 / row["per_core"])
     named = {row["path"]: row["note"] for row in bench["rows"] if "all_cores" not in row}
     assert set(named) == {"litdata's loader", "NVIDIA DALI's CPU pipeline"} and all(named.values())
-    assert bench["files"] == 4 * 3 and bench["root"] == str(tmp_path / "photos")  # made here: none was given
+    assert bench["files"] == 12 and bench["root"] == str(photos)
     markdown = (tmp_path / "bench_input.md").read_text()
     assert markdown in result.stdout and "cores per GPU at 1,000 img/s" in markdown
 

@@ -124,6 +124,9 @@ def test_mixing_needs_class_labels_and_file_backed_augmentation_needs_per_sample
         task_named("classification").check_config(load_config("mnist_cnn", ["data.trivial_augment=true"]))
     task_named("classification").check_config(load_config("mnist_cnn", ["data.trivial_augment=true",
                                                                          "data.on_device=false"]))
+    task_named("classification").check_config(load_config("mnist_cnn", ["data.trivial_augment=true",
+                                                                         "data.random_erasing=0.25",
+                                                                         "data.name=shards", "data.root=shards"]))
     with pytest.raises(UserError, match="early_stop_metric"):
         load_config("mnist_cnn", ["train.early_stop_patience=3"])
     with pytest.raises(UserError, match="data.val_fraction"):
@@ -146,6 +149,22 @@ def test_trivial_augment_and_random_erasing_run_on_file_backed_training_images_o
     source = InMemoryImages(images, torch.arange(4), (0.5,), (0.5,), augment=True)
     steps = [type(step).__name__ for step in PerSampleImages(source, True, 0.25).transform.transforms]
     assert steps[0] == "TrivialAugmentWide" and steps[-1] == "RandomErasing"
+
+
+def test_trivial_augment_on_shards_of_a_dataset_by_import_path_is_refused_in_one_line(tmp_path):
+    """Its samples were written as its own transforms made them (tensors): there is no image to augment."""
+    from accel_train.data.shards.writer import write_shards
+    from support.locations import USER_RECIPE
+
+    write_shards(load_config(USER_RECIPE, ["data.name=user_models:points"]).data, str(tmp_path / "shards"))
+    with pytest.raises(UserError) as refused:
+        train_in_process(USER_RECIPE, "data.name=shards", f"data.root={tmp_path / 'shards'}",
+                         f"data.cache_dir={tmp_path / 'cache'}", "data.trivial_augment=true",
+                         f"output_dir={tmp_path / 'run'}")
+    assert str(refused.value) == ("data.trivial_augment / data.random_erasing: the shards at "
+                                  f"data.root={tmp_path / 'shards'} hold the samples of data.name=user_models:points, "
+                                  "a dataset by import path, as its own transforms made them; augment them in that "
+                                  "dataset, or leave both keys out")
 
 
 def test_the_validation_split_is_drawn_by_seed_disjoint_from_training_and_evaluated_unaugmented():

@@ -4,6 +4,7 @@ this node's block cache and transformed as the data they were written from would
 from __future__ import annotations
 
 import io
+import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from accel_train.data.shards.format import (
     IMAGE_EXTENSIONS,
     INDEX_FILE,
     RAW_PIXELS,
+    SOURCES_FILE,
     SplitIndex,
     label_of,
     pixels_of,
@@ -118,9 +120,7 @@ class ShardSamples(Dataset):
         if RAW_PIXELS in members:  # nothing to decode (the copy: a tensor of its own, writable)
             inputs = torch.from_numpy(pixels_of(members[RAW_PIXELS]).copy())
         elif found is not None and self.index.transforms == "imagefolder":  # straight into a tensor, as ImageFolder
-            shard, position = self.locate(sample)
-            inputs = decode_image_bytes(members[found], f"{self.cache.store.url(self.split)}/"
-                                        f"{self.index.shards[shard].name} (sample {position}, .{found})", "shards")
+            inputs = decode_image_bytes(members[found], SampleName(self, sample, found), "shards")
         elif found is not None:
             image = Image.open(io.BytesIO(members[found]))
             inputs = image.convert(self.image_mode) if self.image_mode else image
@@ -136,6 +136,35 @@ class ShardSamples(Dataset):
         label = next((label_of(extension, members[extension]) for extension in ("cls", "json") if extension in members),
                      None)
         return inputs, label
+
+
+    def source_file(self, sample: int) -> str | None:
+        """The file sample id `sample` was written from (SOURCES_FILE, beside the index), or None where none is
+        recorded (the registry's images, tars of one's own, shards written before it was)."""
+        if not hasattr(self, "sources"):
+            try:
+                self.sources = json.loads(self.cache.store.read(f"{self.split}/{SOURCES_FILE}"))
+            except (FileNotFoundError, ValueError):
+                self.sources = None
+        if self.sources is None or sample >= len(self.sources):
+            return None
+        root = (self.index.settings or {}).get("root")  # data.root as the write was given it
+        return f"{root.rstrip('/')}/{self.sources[sample]}" if root else self.sources[sample]
+
+
+class SampleName:
+    """A sample as the line of one that does not decode names it: its shard and place there, and the source file it
+    was written from. Made into text only for that line (str), so the source list is read only then."""
+
+    def __init__(self, samples: ShardSamples, sample: int, extension: str) -> None:
+        self.samples, self.sample, self.extension = samples, sample, extension
+
+    def __str__(self) -> str:
+        shard, position = self.samples.locate(self.sample)
+        source = self.samples.source_file(self.sample)
+        written_from = f"; written from {source}" if source is not None else ""
+        return (f"{self.samples.cache.store.url(self.samples.split)}/{self.samples.index.shards[shard].name} "
+                f"(sample {position}, .{self.extension}{written_from})")
 
 
 def open_store(cfg: DataConfig) -> Store:
@@ -179,6 +208,10 @@ def _in_memory_normalization(cfg: DataConfig, index: SplitIndex) -> tuple[tuple,
 def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
     """How a decoded sample becomes the model's input: as the data the shards were written from transforms it."""
     if index.transforms == "as_written":
+        if train and (cfg.trivial_augment or cfg.random_erasing):
+            raise UserError(f"data.trivial_augment / data.random_erasing: the shards at data.root={cfg.root} hold the "
+                            f"samples of data.name={index.source}, a dataset by import path, as its own transforms "
+                            "made them; augment them in that dataset, or leave both keys out")
         return lambda inputs: inputs if torch.is_tensor(inputs) else v2.functional.to_dtype(
             v2.functional.pil_to_tensor(inputs), torch.float32, scale=True)
     if crops_on_device(cfg, index, train):

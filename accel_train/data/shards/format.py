@@ -23,6 +23,7 @@ import numpy as np
 
 FORMAT = "accel-train shards 1"
 INDEX_FILE = "index.json"
+SOURCES_FILE = "sources.json"  # beside a split's index: each sample's source file (relative to data.root), if any
 SPLITS = ("train", "test", "val")
 BLOCK_BYTES = 4 * 2**20
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "ppm", "pgm", "tif", "tiff")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from accel_train.data.shards.format import (
     IMAGE_STORAGE,
     INDEX_FILE,
     RAW_PIXELS,
+    SOURCES_FILE,
     SPLITS,
     Shard,
     SplitIndex,
@@ -53,6 +55,7 @@ JPEG_QUALITY = 90  # images=jpeg: the usual quality of a photograph (and of the 
 SHARD_MB = 256  # webdataset's advice: shards of 100 MB to 1 GB
 WRITING_FILE = "shard-writing.json"  # present while a write is under way (or was cut short)
 WRITTEN = ".written"  # per split: one entry per complete shard, until the index is written
+WRITTEN_SPLITS = ("train", "test")  # and ImageFolder's own val/ beside test/; bench --input writes train alone
 
 
 @dataclass
@@ -65,6 +68,7 @@ class SourceSplit:
     record: dict  # SplitIndex fields: classes, num_classes, channels, image_size, mean, std, transforms, source,
     #               images, shrink_to
     name: Callable[[int], str] = lambda index: f"sample {index}"  # sample i as a damaged one's line names it
+    files: list[str] | None = None  # the source file of each sample (relative to data.root), where it is one
 
 
 def _png(image: Image.Image) -> bytes:
@@ -134,14 +138,19 @@ def _imagefolder(cfg: DataConfig, dataset, split: str, storage: ImageStorage) ->
 
     def members(index: int) -> dict[str, bytes]:
         path, label = files[index]
-        with open(path, "rb") as file:
-            image = storage.of_file(file.read(), path.rsplit(".", 1)[-1].lower(), path)
+        try:
+            with open(path, "rb") as file:
+                data = file.read()
+        except OSError as err:  # a broken link, a file removed since the listing, one we may not read
+            raise unreadable_image(f"{path} ({split} split)", "shard", err.strerror or str(err)) from None
+        image = storage.of_file(data, path.rsplit(".", 1)[-1].lower(), path)
         return {**image, "cls": str(label).encode()}
     return SourceSplit(split, len(files), members, dict(classes=list(dataset.classes),
                                                         num_classes=len(dataset.classes), channels=3, image_size=None,
                                                         mean=list(mean), std=list(std), transforms="imagefolder",
                                                         source="imagefolder", **asdict(storage)),
-                       lambda index: files[index][0])
+                       lambda index: files[index][0],
+                       [os.path.relpath(path, cfg.root) for path, _ in files])
 
 
 def _is_image_tensor(inputs) -> bool:
@@ -190,31 +199,36 @@ def storage_for(cfg: DataConfig, images: str, shrink_to: int | None) -> ImageSto
     return ImageStorage(images, shrink_to)
 
 
-def source_splits(cfg: DataConfig, storage: ImageStorage = ImageStorage()) -> list[SourceSplit]:
-    """The train and test splits of data.name (and ImageFolder's own val/ beside test/)."""
+def source_splits(cfg: DataConfig, storage: ImageStorage = ImageStorage(),
+                  splits: tuple[str, ...] = WRITTEN_SPLITS) -> list[SourceSplit]:
+    """The train and test splits of data.name (and ImageFolder's own val/ beside test/), or the train split alone."""
     from accel_train.data import build_dataset
-    from accel_train.data.imagefolder import imagefolder_data, imagefolder_transform
+    from accel_train.data.imagefolder import imagefolder_data, imagefolder_transform, training_split
 
     if cfg.name == "shards":
         raise UserError("shard: data.name=shards is written already; give the recipe of the data to write")
     if cfg.name == "imagefolder" and cfg.synthetic:
         raise UserError("shard: data.synthetic=true has no image files to write for imagefolder; use a torchvision "
                         "dataset's recipe (fashion_mnist, cifar10, ...) with data.synthetic=true")
-    splits, classes = [], None
+    found, classes = [], None
     for split, train in (("train", True), ("test", False)):
-        data = build_dataset(cfg, train, classes=classes)  # the test split labelled by the train split's names
+        if split not in splits:
+            continue
+        # the test split labelled by the train split's names; a tree's train/ read whether or not test/ is there
+        data = training_split(cfg) if train and cfg.name == "imagefolder" else build_dataset(cfg, train,
+                                                                                               classes=classes)
         classes = data.classes if train else classes
         if isinstance(data.dataset, InMemoryImages):
-            splits.append(_in_memory(cfg, data, split, storage))
+            found.append(_in_memory(cfg, data, split, storage))
         elif cfg.name == "imagefolder":
-            splits.append(_imagefolder(cfg, data.dataset, split, storage))
+            found.append(_imagefolder(cfg, data.dataset, split, storage))
         else:
-            splits.append(_as_written(cfg, data, split))
-    own = own_validation_folder(cfg)
+            found.append(_as_written(cfg, data, split))
+    own = own_validation_folder(cfg) if "test" in splits else None
     if own is not None:
         validation = imagefolder_data(cfg, own, imagefolder_transform(cfg, False), cfg.eval_subset, classes=classes)
-        splits.append(_imagefolder(cfg, validation.dataset, "val", storage))
-    return splits
+        found.append(_imagefolder(cfg, validation.dataset, "val", storage))
+    return found
 
 
 def _tar_size(members: dict[str, bytes]) -> int:
@@ -222,9 +236,10 @@ def _tar_size(members: dict[str, bytes]) -> int:
 
 
 def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block_mb: float = BLOCK_BYTES / 2**20,
-                 recipe: str = "", images: str = "auto", shrink_to: int | None = None) -> None:
-    """Every split of data.name as shards at `output`, its images stored as `images` says (storage_for); see the
-    module's docstring for a rerun."""
+                 recipe: str = "", images: str = "auto", shrink_to: int | None = None,
+                 splits: tuple[str, ...] = WRITTEN_SPLITS) -> None:
+    """Every split of data.name (or the train split alone: `splits`) as shards at `output`, its images stored as
+    `images` says (storage_for); see the module's docstring for a rerun."""
     from accel_train.data import check_data_name
 
     check_location(output, "output")
@@ -237,13 +252,15 @@ def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block
                 "block_mb": block_mb}
     if storage != ImageStorage():  # only where not as given: shards written before these settings stay complete
         settings.update(asdict(storage))
+    if splits != WRITTEN_SPLITS:
+        settings["splits"] = list(splits)
     if _already_written(store, settings):
         return
     started = time.monotonic()
+    sources = source_splits(cfg, storage, splits)  # a source that cannot be read is refused before anything is recorded
     store.write(WRITING_FILE, json.dumps(settings).encode())
-    splits = source_splits(cfg, storage)
     written = [_write_split(store, source, settings, int(shard_mb * 2**20), int(block_mb * 2**20))
-               for source in splits]
+               for source in sources]
     store.remove(WRITING_FILE)
     samples = " and ".join(f"{index.samples:,} {index.split}" for index in written)
     shards, size = sum(len(index.shards) for index in written), sum(index.bytes for index in written)
@@ -352,6 +369,8 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
     if record["image_size"] is None:
         record["image_size"] = square_side(sizes)
     index = SplitIndex(source.split, shards, block_bytes=block_bytes, settings=settings, **record)
+    if source.files is not None:  # read only to name the source of a sample that does not decode
+        store.write(f"{source.split}/{SOURCES_FILE}", json.dumps(source.files).encode())
     store.write(f"{source.split}/{INDEX_FILE}", index.to_json())
     for name in done + [f"{shard.name}.json" for shard in shards[len(done):]]:
         store.remove(f"{source.split}/{WRITTEN}/{name}")
