@@ -105,11 +105,19 @@ class _CommandLine(argparse.ArgumentParser):
         self.exit(2, f"accel-train: error: {message}; accel-train --help lists the commands\n")
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A mistake in one command's options in one line: the command, the option and what was wrong (`accel-train
+    bench --demand 5k`), instead of the command's usage block; exit 2."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("accel-train ")
+        self.exit(2, f"accel-train: error: {command}: {message}; {self.prog} --help shows its usage\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _CommandLine(prog="accel-train", description="Train PyTorch models on 1 GPU, N GPUs or N machines with "
                           "one code path (Hugging Face Accelerate).", usage=USAGE)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                     parser_class=argparse.ArgumentParser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Subcommand)
 
     def subcommand(name: str, **kwargs) -> argparse.ArgumentParser:  # its own prog: else argparse takes all of USAGE
         return commands.add_parser(name, prog=f"accel-train {name}", **kwargs)
@@ -184,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
 def _sweep_parser() -> argparse.ArgumentParser:
     """Its own parser: the search space and the options may come in any order (parse_intermixed_args), which
     argparse's subcommands do not allow."""
-    sweep = argparse.ArgumentParser(
+    sweep = _Subcommand(
         prog="accel-train sweep", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="accel-train sweep RECIPE --trials N --metric METRIC [--direction max|min] [--launch COMMAND] "
               "KEY=DISTRIBUTION(ARGS) ... [KEY=VALUE ...] [output_dir=FOLDER]",

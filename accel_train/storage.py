@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from accel_train.console import say
-from accel_train.errors import DataNotFoundError, UserError
+from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 
 T = TypeVar("T")
 
@@ -191,21 +191,43 @@ class Store:
         return self.fs._strip_protocol(self.url(name))
 
     def read(self, name: str, start: int | None = None, end: int | None = None,
-             check: Callable[[bytes], str | None] | None = None) -> bytes:
+             check: Callable[[bytes], str | None] | None = None, size: int | None = None) -> bytes:
         """The object's bytes [start, end). `check(data)` names what is wrong with bytes that arrived (a body cut
-        short, a hash that differs): such a read is retried like a transient error, and reported if it persists."""
+        short, a hash that differs): such a read is retried like a transient error, and reported if it persists.
+        `size`: the object's size as recorded (a shard's, in its index); a read that fails or falls short from an
+        object of another size is one line at once (the object was cut short or written again), not retried."""
         def attempt() -> bytes:
-            if self.remote:
-                data = self.fs.cat_file(self._path(name), start=start, end=end)
-            else:
-                with open(self.url(name), "rb") as file:
-                    file.seek(start or 0)
-                    data = file.read(-1 if end is None else end - (start or 0))
+            try:
+                if self.remote:
+                    data = self.fs.cat_file(self._path(name), start=start, end=end)
+                else:
+                    with open(self.url(name), "rb") as file:
+                        file.seek(start or 0)
+                        data = file.read(-1 if end is None else end - (start or 0))
+            except Exception:
+                self._refuse_another_size(name, size)
+                raise
             problem = check(data) if check else None
             if problem:
+                self._refuse_another_size(name, size)
                 raise _WrongBytes(problem)
             return data
         return self.retrying(attempt, self.url(name))
+
+    def _refuse_another_size(self, name: str, recorded: int | None) -> None:
+        """One line (exit 3) where the object is no longer of the size recorded for it; nothing where it is, or where
+        its size cannot be asked (the read's own error then goes on to say what is wrong)."""
+        if recorded is None:
+            return
+        try:
+            found = self.fs.size(self._path(name)) if self.remote else os.path.getsize(self.url(name))
+        except Exception:  # the failed read is what gets reported
+            return
+        if found != recorded:
+            raise UnreadableFileError(f"cannot read {self.url(name)}: it has {found:,} bytes, {recorded:,} when its "
+                                      "index was written: cut short or written again since (a damaged shard); put "
+                                      "it back, or write the shards again with accel-train shard, then run again "
+                                      "with resume=auto")
 
     def size(self, name: str) -> int:
         if not self.remote:

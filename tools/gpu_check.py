@@ -651,9 +651,15 @@ def write_json(rows: list[Row], path: Path, dry_run: bool, started: float) -> di
     return result
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A mistake on the command line in one line (what was wrong, and where the usage is), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"gpu-check: error: {message}; tools/gpu_check.py --help shows its usage\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrors(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="every row on the CPU, tiny sizes")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check", help="runs, logs, site, JSON")
     parser.add_argument("--json", type=Path, help="the table as JSON (default OUT/gpu_check.json)")
@@ -661,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated rows to run (install always runs)")
     parser.add_argument("--count-syncs", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [name.strip() for name in (args.only or "").split(",") if name.strip() and name.strip() not in CAPS]
+    if unknown:  # else they would be skipped, and the rest "all ok"
+        parser.error(f"--only {args.only}: no row named {', '.join(unknown)}; the rows are {', '.join(CAPS)}")
     if args.count_syncs:
         count_syncs(args.count_syncs.resolve(), args.dry_run)
         return 0
@@ -668,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     shutil.rmtree(out / "logs", ignore_errors=True)  # this check's logs only
     check = Check(args.dry_run, out, args.wheels.resolve())
-    chosen = set(CAPS) if not args.only else {"install", *args.only.split(",")}
+    chosen = set(CAPS) if not args.only else {"install", *(name.strip() for name in args.only.split(","))}
     rows = []
     for function in ROWS:
         name = function.__name__

@@ -241,7 +241,8 @@ def test_a_command_missing_its_recipe_names_only_what_is_required(capsys):
         main(["train"])
     err = capsys.readouterr().err
     assert stop.value.code == 2
-    assert err.splitlines()[-1] == "accel-train train: error: the following arguments are required: RECIPE", err
+    assert err == ("accel-train: error: train: the following arguments are required: RECIPE; accel-train train "
+                   "--help shows its usage\n"), err
 
 
 def test_keys_prints_each_value_as_an_override_takes_it(capsys):

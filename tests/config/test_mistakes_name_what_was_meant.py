@@ -31,8 +31,16 @@ from accel_train.cli import main
      ["--num_machines 0: the number of machines, 1 or more"]),
     (["train", "fashion_mnist_cnn", "data.cache_gb=5"],
      ["data.cache_gb: the block cache of data.name=shards", "data.name=fashion_mnist reads no shards", "ignored"]),
+    (["bench", "--input", "--demand", "5k"],
+     ["accel-train: error: bench: argument --demand: invalid float value: '5k'; accel-train bench --help shows its "
+      "usage"]),
+    (["sweep", "mnist_cnn", "--trials", "two", "--metric", "accuracy"],
+     ["sweep: argument --trials: invalid int value: 'two'; accel-train sweep --help"]),
+    (["doctor", "--machine_rank", "first"], ["doctor: argument --machine_rank: invalid int value: 'first'"]),
+    (["runs"], ["runs: the following arguments are required: DIR; accel-train runs --help shows its usage"]),
 ], ids=["key", "command", "dashed override", "missing recipe file", "model.args", "data.args", "image_transform",
-        "best_metric", "early_stop_metric", "a task's own metrics", "num_machines 0", "cache beside other data"])
+        "best_metric", "early_stop_metric", "a task's own metrics", "num_machines 0", "cache beside other data",
+        "an option's type", "a sweep option's type", "a doctor option's type", "a command's argument"])
 def test_a_mistake_is_one_line_exit_2_naming_what_was_probably_meant(argv, words, tmp_path, capsys):
     argv = [*argv, f"output_dir={tmp_path / 'run'}"] if argv[0] == "train" else argv
     with pytest.raises(SystemExit) as stop:

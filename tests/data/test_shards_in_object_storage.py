@@ -221,6 +221,25 @@ def test_a_shard_changed_in_the_store_after_its_index_was_written_stops_the_run_
     assert f"cannot read {changed}/train/{shard.name}: block " in line and "not the index's" in line, line
 
 
+def test_a_shard_cut_short_in_the_store_is_a_damaged_shard_in_one_line_exit_3_not_a_store_that_fails(store, tmp_path):
+    """Its later blocks' ranges lie past its end (the store answers 416, "not satisfiable"), which retries would take
+    for a store that fails; the size its index recorded says at once that the object is not the one indexed."""
+    shared, url = store
+    fs, cut = shared.fs(), shared.url("cut")
+    fs.copy(url, cut, recursive=True)
+    shard = index_of(shared, url, "train").shards[1]
+    fs.pipe(f"{cut}/train/{shard.name}", fs.cat(f"{cut}/train/{shard.name}")[:shard.bytes // 3])
+    result = run_cli("train", *RUN, f"data.root={cut}", "data.store_patience_s=20",
+                     f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}", check=False)
+    assert result.returncode == 3, result.stderr[-3000:]
+    line = one_error_line(result.stdout + result.stderr)
+    assert line.endswith(f"cannot read {cut}/train/{shard.name}: it has {shard.bytes // 3:,} bytes, "
+                         f"{shard.bytes:,} when its index was written: cut short or written again since (a damaged "
+                         "shard); put it back, or write the shards again with accel-train shard, then run again "
+                         "with resume=auto"), line
+    assert "retrying" not in result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("when", ["before the run", "while it trains"])
 def test_a_shard_deleted_from_the_store_while_its_index_lists_it_is_one_line_and_exit_3_naming_it(when, store,
                                                                                                    tmp_path):

@@ -101,7 +101,7 @@ class BlockCache:
                 return None if found == sha256 else (f"block {block} has sha256 {found[:12]}..., not the index's "
                                                      f"{sha256[:12]}...: the shard changed after its index was made")
             try:
-                data = self.store.read(f"{folder}/{shard.name}", start, end, check=wrong)
+                data = self.store.read(f"{folder}/{shard.name}", start, end, check=wrong, size=shard.bytes)
             except FileNotFoundError:
                 raise DataNotFoundError(
                     f"cannot read {self.store.url(f'{folder}/{shard.name}')}: its index ({folder}/{INDEX_FILE}) lists "
