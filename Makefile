@@ -35,7 +35,7 @@ PYTEST := $(WRITE_BYTECODE) $(BIN)/python -m pytest
 GPU_WHEELS := .gpu-wheels
 GPU_WHEEL_PINS := datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 webdataset==1.0.2 braceexpand==0.1.7
 
-.PHONY: install data demo lint test test-fast test-min mutations gpu-wheels gpu-check clean
+.PHONY: install data fashion-mnist photographs demo lint test test-fast test-min mutations gpu-wheels gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -45,22 +45,28 @@ $(VENV)/.installed: pyproject.toml
 	$(UV) pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[dev]'
 	touch $@
 
-# Fashion-MNIST offline from Debian's dataset-fashion-mnist where apt is available; otherwise
-# torchvision downloads it on first use. Photographs from Debian's mate-backgrounds, of which bench --input and its
-# tests make an ImageNet-shaped folder of JPEGs (accel_train/tools/photos.py).
-data:
+# The tests' data: Fashion-MNIST and photographs.
+data: fashion-mnist photographs
+
+# Fashion-MNIST offline from Debian's dataset-fashion-mnist where apt is available; otherwise torchvision downloads it
+# on first use. The demo needs nothing else.
+fashion-mnist:
 	@if [ -d $(FASHION_MNIST) ]; then echo "Fashion-MNIST found in $(FASHION_MNIST)"; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist >/dev/null \
 		|| echo "warning: could not install dataset-fashion-mnist; torchvision will download Fashion-MNIST"; \
 	else echo "no apt-get: torchvision will download Fashion-MNIST on first use"; fi
+
+# Photographs from Debian's mate-backgrounds, of which `accel-train photos`, bench --input and the tests make an
+# ImageNet-shaped folder of JPEGs (accel_train/tools/photos.py).
+photographs:
 	@if [ -d $(PHOTOS) ]; then echo "photographs found in $(PHOTOS)"; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq mate-backgrounds >/dev/null \
 		|| echo "warning: could not install mate-backgrounds; bench --input needs data.root=FOLDER"; \
 	else echo "no apt-get: bench --input needs data.root=FOLDER (a folder of images)"; fi
 
-demo: install data
+demo: install fashion-mnist
 	@rm -rf runs/demo; start=$$(date +%s); \
 	$(BIN)/accel-train train fashion_mnist_cnn train.epochs=1 output_dir=runs/demo && \
 	echo "demo wall time: $$(( $$(date +%s) - start )) s (setup excluded); results in runs/demo"

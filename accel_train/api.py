@@ -31,9 +31,17 @@ from accel_train.config import Config, list_recipes, load_config, refuse_contrad
 from accel_train.config.recipes import run_folder_of
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
-from accel_train.run.checkpoint_files import read_meta
+from accel_train.run.checkpoint_files import list_checkpoints, read_meta
 from accel_train.run.folder import check_output_dir, refusals_leave_no_folder
-from accel_train.run.layout import CONFIG_FILE, MODEL_FILE, read_config, run_of, weights_folder
+from accel_train.run.layout import (
+    BEST_FILE,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    MODEL_FILE,
+    read_config,
+    run_of,
+    weights_folder,
+)
 from accel_train.run.location import RunPlace, readable_run, run_folder_patience
 from accel_train.run.resume import check_resume
 from accel_train.run.tracking import tracker_names
@@ -202,8 +210,9 @@ def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
                             f"accel-train {command} RECIPE checkpoint=PATH")
         run = None if isinstance(recipe, Config) else Path(recipe)
         if run is not None and not run.exists() and str(recipe) not in list_recipes():
-            raise DataNotFoundError(f"{command} {recipe}: no such run folder (nor a shipped recipe); pass a training "
-                                    f"run's output_dir: accel-train {command} RUN")
+            raise DataNotFoundError(_not_there(run, f"{command} {recipe}") or f"{command} {recipe}: no such run folder "
+                                    f"(nor a shipped recipe); pass a training run's output_dir: accel-train {command} "
+                                    "RUN")
         run = run.parent if run is not None and run.name == CONFIG_FILE else run  # RUN/config.yaml: RUN
         if run is not None and not (run / CONFIG_FILE).is_file() and run.exists():  # a checkpoint or weights file
             if run.is_dir() and not (run / MODEL_FILE).is_file():
@@ -222,8 +231,9 @@ def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
                             f"folder alone is enough: accel-train {command} RUN)")
         return recipe, str(run)
     if not Path(checkpoint).exists():
-        raise DataNotFoundError(f"checkpoint={checkpoint}: no such file or folder; pass a run's output_dir, one of "
-                                "its checkpoint folders or a model.safetensors")
+        raise DataNotFoundError(_not_there(Path(checkpoint), f"checkpoint={checkpoint}") or
+                                f"checkpoint={checkpoint}: no such file or folder; pass a run's output_dir, one of its "
+                                "checkpoint folders or a model.safetensors")
     if recipe is None:
         run = run_of(str(checkpoint))
         if run is None:
@@ -232,6 +242,29 @@ def _recipe_and_checkpoint(recipe: str | Config | None, checkpoint: str | None,
                             f"checkpoint={checkpoint}")
         return str(run), str(checkpoint)
     return recipe, str(checkpoint)
+
+
+def _not_there(path: Path, named: str) -> str | None:
+    """The line for weights of a run that are not there: a checkpoint it does not have (naming those it has), or a
+    best model it never kept (saying why); None where `path` is not inside a run folder."""
+    folder = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else path.parent
+    if not (folder / CONFIG_FILE).is_file():
+        return None
+    if path.parent.name == CHECKPOINTS_DIR:
+        held = [checkpoint.name for checkpoint, _ in list_checkpoints(path.parent)]
+        return (f"{named}: no such checkpoint; {path.parent} holds " + (", ".join(held) if held else "none") +
+                (f" (the newest: {path.parent / held[-1]})" if len(held) > 1 else ""))
+    if path.name != BEST_FILE:
+        return None
+    trained = read_config(folder) or {}
+    best = (trained.get("checkpoint") or {}).get("best_metric")
+    if not best:
+        return (f"{named}: the run kept no best model: it was trained without checkpoint.best_metric (set it, e.g. "
+                f"checkpoint.best_metric=accuracy, for a run to keep one); evaluate the run's final model "
+                f"(accel-train eval {folder}) or one of its checkpoints")
+    return (f"{named}: not written: the run was to keep its best model by {best}, and has not yet finished an "
+            f"evaluation that reports it; evaluate the run's final model (accel-train eval {folder}) or one of its "
+            "checkpoints")
 
 
 def _config(recipe: str | Config, overrides: Sequence[str]) -> Config:

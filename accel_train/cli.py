@@ -27,6 +27,7 @@ accel-train runs DIR [--diff A B] [--json]               table of the runs under
 accel-train plot RUN [RUN ...] [output=FILE]             loss, eval metrics and LR of runs, overlaid, as a PNG
 accel-train recipes                                      list shipped recipes
 accel-train keys [RECIPE]                                every config key with its meaning and value (a recipe's)
+accel-train photos OUT [--train N] [--test N]            a folder of JPEG photographs made here (ImageNet-shaped)
 accel-train profiles                                     list shipped launch profiles (accelerate configs)
 accel-train profile NAME                                 the installed file of a profile, for --config_file
 accel-train doctor [--config_file F] [--machine_rank R ...]  check this node before a launch (also under a launcher)
@@ -168,6 +169,15 @@ def _parser() -> argparse.ArgumentParser:
     plot = subcommand("plot", help="train loss, eval metrics and LR against optimizer steps, runs overlaid")
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or folders holding runs); "
                       "output=FILE sets the PNG (default curves.png)")
+    photos = subcommand("photos", help="make an ImageNet-shaped folder of JPEG photographs offline (from Debian's "
+                        "mate-backgrounds): OUT/train/<class>/*.jpg and OUT/test/<class>/*.jpg",
+                        epilog="examples:\n  accel-train photos photos/\n  accel-train train imagefolder "
+                        "data.root=photos/ train.epochs=3\n  accel-train bench --input data.root=photos/",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    photos.add_argument("folder", metavar="OUT", help="a new folder (or one this command made)")
+    photos.add_argument("--train", type=int, default=1024, help="training images (default 1024)")
+    photos.add_argument("--test", type=int, default=256, help="test images (default 256)")
+    photos.add_argument("--seed", type=int, default=0, help="the same seed and counts make the same files")
     subcommand("launch", help="accelerate launch once every machine has joined (accel-train launch --help)")
     subcommand("recipes", help="list shipped recipes")
     subcommand("profiles", help="list shipped launch profiles")
@@ -245,6 +255,12 @@ def main(argv: list[str] | None = None) -> None:
         if argv[:1] == ["sweep"]:
             return _sweep(_sweep_parser().parse_intermixed_args(argv[1:]))
         _run(_parser().parse_args(argv))
+        sys.stdout.flush()  # here, where a reader that left is caught, not at the interpreter's exit
+    except BrokenPipeError:  # `accel-train keys | head`: the reader left; no traceback, as other tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        sys.exit(141)  # 128 + SIGPIPE, as the shell reports a command the pipe ended
     except UserError as err:
         _report(err)
         sys.exit(err.exit_code)
@@ -264,11 +280,6 @@ def main(argv: list[str] | None = None) -> None:
                          "answering (its own log says why); under --max_restarts the launcher restarts the group, "
                          "which resumes from the newest checkpoint"))
         sys.exit(PeerLost.exit_code)
-    except BrokenPipeError:  # `accel-train keys | head`: the reader left; no traceback, as other tools do
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)
 
 
 def _print_versions() -> None:
@@ -310,6 +321,15 @@ def _run(args: argparse.Namespace) -> None:
             return
         for name, path in list_profiles().items():
             print(f"{name:24s} {profile_summary(path)}")
+        return
+    if args.command == "photos":
+        from accel_train.tools.photos import make_photo_folder
+
+        if args.train < 1 or args.test < 1:
+            raise UserError(f"photos: --train {args.train} --test {args.test}: 1 image or more in each split")
+        root = make_photo_folder(Path(args.folder), args.train, args.test, args.seed)
+        print(f"{root}: {args.train} training and {args.test} test photographs; train on them with: accel-train "
+              f"train imagefolder data.root={root}", flush=True)
         return
     if args.command == "doctor":
         from accel_train.launch.doctor import run
@@ -395,7 +415,10 @@ def _run(args: argparse.Namespace) -> None:
             print(f"accel-train eval: {checkpoint}: {_described(metrics)}", file=sys.stderr, flush=True)
             print(json.dumps(metrics), flush=True)
     else:
-        output = given.get("output", "predictions.csv")
+        output = given.get("output", DEFAULT_PREDICTIONS)
+        if "output" not in given and Path(output).exists():  # a file given is the user's to write over; this is not
+            raise UserError(f"predict: {output} is already here (an earlier predict's?); give output=FILE (a file "
+                            "given is written over), or move that one away")
         rows = api.predict_run(config, checkpoint, given["input"], output)
         if launcher_environment().is_reporting_process:
             print(f"predicted {len(rows)} file(s): {output}", flush=True)
@@ -515,6 +538,7 @@ def _sweep(args: argparse.Namespace) -> None:
             mirror.drain(PATIENCE_S * 10)
 
 
+DEFAULT_PREDICTIONS = "predictions.csv"  # predict's output= when none is given, in the current folder
 # Arguments a command takes as NAME=VALUE beside the config overrides: name -> what it is (None: optional).
 COMMAND_ARGUMENTS = {
     "eval": {"checkpoint": None, "split": None},

@@ -11,11 +11,13 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from accel_train.errors import UserError
+from accel_train.errors import DataNotFoundError, UserError
 
 
 def is_import_path(name: str) -> bool:
@@ -65,10 +67,27 @@ def import_object(path: str, key: str) -> Any:
     return found
 
 
+@contextmanager
+def building(named: str, data: bool = False, doing: str = "building it"):
+    """What a user's function (or a library's, by import path) raises while it builds what `named` ("data.name=...")
+    names: one line naming it, the exception and the line of code that raised it. Exit 3 for data (it could not be
+    read) and for a model's file or network error (its weights not found); else 2, as for a setting to change."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        line = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        kind = DataNotFoundError if data or isinstance(err, OSError) else UserError
+        raise kind(f"{named}: {doing} raised {line} (at {Path(frame.filename).name}:{frame.lineno})") from None
+
+
 def check_call(function: Callable, key: str, path: str, args_key: str, given: dict[str, Any], args: dict[str, Any],
-               optional: frozenset[str] = frozenset()) -> dict:
+               optional: frozenset[str] = frozenset(), through_any: frozenset[str] = frozenset()) -> dict:
     """The keyword arguments to call `function` with: what accel-train `given` (less the `optional` names the
-    signature does not take) and the user's `args` (`args_key`, e.g. model.args).
+    signature does not name, except `through_any` ones, set, where it takes **kwargs) and the user's `args`
+    (`args_key`, e.g. model.args).
 
     One UserError when a required parameter is left without a value or a name passed is not one it takes.
     """
@@ -82,7 +101,9 @@ def check_call(function: Callable, key: str, path: str, args_key: str, given: di
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     keywords = {name for name, p in parameters.items()
                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    call = {name: value for name, value in given.items() if takes_any or name in keywords or name not in optional}
+    # a factory with **kwargs (timm's create_model, most zoos) passes them on to a model that may not take them
+    call = {name: value for name, value in given.items() if name in keywords or name not in optional
+            or takes_any and name in through_any and value is not None}
     call.update(args)
     shown = f"{getattr(function, '__name__', path)}{signature.replace(return_annotation=inspect.Signature.empty)}"
     for name in call:

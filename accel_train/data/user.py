@@ -9,13 +9,15 @@ from torch.utils.data import Subset
 from accel_train.config import DataConfig
 from accel_train.data.registry import Data
 from accel_train.errors import UserError
-from accel_train.import_paths import check_call, import_object
+from accel_train.import_paths import building, check_call, import_object
 
 
 def user_dataset(cfg: DataConfig, train: bool) -> Data:
     """The dataset the function data.name names returns, called with train= and data.args."""
     factory = import_object(cfg.name, "data.name")
-    dataset = factory(**check_call(factory, "data.name", cfg.name, "data.args", {"train": train}, cfg.args))
+    call = check_call(factory, "data.name", cfg.name, "data.args", {"train": train}, cfg.args)
+    with building(f"data.name={cfg.name}", data=True):
+        dataset = factory(**call)
     return from_dataset(dataset, cfg, train, f"data.name={cfg.name}")
 
 
@@ -38,6 +40,7 @@ def from_dataset(dataset, cfg: DataConfig, train: bool, where: str) -> Data:
         dataset = Subset(dataset, range(min(limit, len(dataset))))
     if len(dataset) == 0:
         raise UserError(f"{where}: the {'training' if train else 'evaluation'} dataset is empty")
-    first = dataset[0]
+    with building(where, data=True, doing="reading its first sample"):
+        first = dataset[0]
     inputs = first[0] if isinstance(first, (tuple, list)) else first
     return Data(dataset, num_classes, tuple(inputs.shape) if torch.is_tensor(inputs) else (), classes, first)

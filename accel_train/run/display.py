@@ -140,6 +140,9 @@ def summary_block(summary: dict, files: list[str], watch: str | None) -> str:
     if summary["final"]:
         final = summary["final"]
         lines.append(f"  final      {final['split']} {shown(final['metrics'])} (step {final['step']})")
+    if summary.get("skipped_steps"):
+        lines.append(f"  skipped    {summary['skipped_steps']} of {summary['steps']} steps, non-finite: no process "
+                     "applied them (train.on_nonfinite=skip; the warnings above name them)")
     if summary["restarts"]:
         lines.append(f"  restarts   {summary['restarts']} by the launcher after a process failed; each resumed from "
                      "the newest checkpoint (starts.jsonl)")

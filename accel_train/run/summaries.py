@@ -58,6 +58,7 @@ def summarize(folder: Path, name: str | None = None) -> dict:
         "wall_s": next((line["elapsed_s"] for line in reversed(lines) if "elapsed_s" in line), None),
         **dict(zip(("samples_per_s", "data_wait"),
                    training_throughput(train, (config.get("train") or {}).get("batch_size")))),
+        "skipped_steps": sum(line.get("skipped_steps", 0) for line in train),  # non-finite, on_nonfinite=skip
         "starts": len(starts), "restarts": sum(1 for start in starts if start.get("launcher_restart")),
         "world_size_changes": [{"step": start["step"], "from": start["checkpoint_world_size"],
                                 "to": start["world_size"]} for start in starts

@@ -1,4 +1,5 @@
-"""An ImageNet-shaped folder of JPEG photographs made offline, for the input-pipeline bench and its tests.
+"""An ImageNet-shaped folder of JPEG photographs made offline (`accel-train photos OUT`), for trying the imagefolder
+recipe, for the input-pipeline bench and for tests.
 
 Debian's `mate-backgrounds` (and `ukui-wallpapers`) put photographs under /usr/share/backgrounds (`make data`
 installs the first). Each image of the folder is a seeded random crop of one of them, at a random scale, 400 to
@@ -13,7 +14,7 @@ import random
 import shutil
 from pathlib import Path
 
-from accel_train.errors import DataNotFoundError
+from accel_train.errors import DataNotFoundError, UserError
 
 PHOTO_FOLDERS = (Path("/usr/share/backgrounds/mate/nature"), Path("/usr/share/backgrounds/ukui"))
 WIDTHS, HEIGHT_RATIOS, QUALITY = (400, 600), (0.6, 1.0), 90
@@ -34,6 +35,9 @@ def make_photo_folder(root: Path, train: int, test: int, seed: int = 0) -> Path:
     marker = root / "photos.json"
     if marker.is_file() and json.loads(marker.read_text()) == recipe:
         return root
+    if root.is_dir() and any(root.iterdir()) and not marker.is_file():  # never written over: it is not ours
+        raise UserError(f"photos: {root} holds files already, and is not a folder of photographs this command made; "
+                        "give a new folder")
     if not photos:
         raise DataNotFoundError(f"no photographs in {' or '.join(map(str, PHOTO_FOLDERS))} to make an image folder "
                                 "of: apt-get install mate-backgrounds (make data does), or give data.root=FOLDER")
@@ -42,8 +46,7 @@ def make_photo_folder(root: Path, train: int, test: int, seed: int = 0) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     rng = random.Random(seed)
     opened: dict[Path, Image.Image] = {}
-    # as many classes as the smaller split can hold one image of each: ImageFolder numbers a split's classes by its
-    # own folders, so a class missing from one split would shift the labels of the others
+    # as many classes as the smaller split can hold one image of each: every class is evaluated
     classes = photos[:max(1, min(len(photos), train, test or train))]
     for split, count in (("train", train), ("test", test)):
         for number in range(count):

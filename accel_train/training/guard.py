@@ -49,6 +49,8 @@ class NonFiniteGuard:
         self.overflow_run = torch.zeros((), dtype=torch.long, device=device)  # fp16: overflows in a row up to now
         self.overflow_run_start = torch.zeros((), dtype=torch.long, device=device)  # the first step of that run
         self.overflow_steps = 0  # fp16: steps skipped by an overflow between the last two train lines
+        self.skipped_steps = 0  # non-finite steps skipped (train.on_nonfinite=skip) since the last train line
+        self.skipped_in_start = 0  # ... since this start of the run (its first step, or the checkpoint resumed)
         self._reset()
 
     def _reset(self) -> None:
@@ -128,9 +130,23 @@ class NonFiniteGuard:
             raise NonFiniteError(f"{report}; every process stopped{stopped} without applying that step, and "
                                  "nothing was saved after it: files written before are untouched. Lower train.lr, "
                                  "set train.clip_grad_norm, or set train.on_nonfinite=skip")
+        self.skipped_steps += bad_steps
+        self.skipped_in_start += bad_steps
         skipped = "step skipped on every process" if bad_steps == 1 else \
             f"{bad_steps} steps skipped on every process between steps {first_step} and {step}"
         warn(self.accelerator, f"{report}; {skipped} (train.on_nonfinite=skip)")
+
+    def refuse_a_start_without_an_applied_step(self, progress: Progress, resumed_at: int) -> None:
+        """At the end (every process, with `check`'s host read): a start whose every step was skipped as
+        non-finite trained nothing, and ends as a non-finite stop does (exit 5), not as a run that is done."""
+        self.check(progress)
+        taken = progress.step - resumed_at
+        if taken and self.skipped_in_start == taken:
+            steps, weights = (f"the {taken} steps after step {resumed_at}", f"those of step {resumed_at}") \
+                if resumed_at else (f"the run's {taken} steps", "the initial ones")
+            raise NonFiniteError(f"every one of {steps} was skipped as non-finite (train.on_nonfinite=skip): no step "
+                                 f"changed the weights, which are still {weights}. Lower train.lr, set "
+                                 "train.clip_grad_norm, or look for NaN or inf in the data")
 
     def _check_loss_scale(self, step: int, longest_run: int, run_start: int) -> None:
         """fp16: stop every process when the overflows have driven the loss scale to nothing."""
@@ -148,11 +164,14 @@ class NonFiniteGuard:
             f"Train in bf16 (accelerate launch --mixed_precision bf16), lower train.lr, or set train.clip_grad_norm")
 
     def line_values(self) -> dict[str, float]:
-        """What a train line adds under fp16: the steps skipped by an overflow since the last line, and the scale.
-        Called after `check` (the host has read the device then)."""
+        """What a train line adds: the non-finite steps skipped since the last line, where there were any; under
+        fp16 the steps skipped by an overflow since the last line, and the scale. Called after `check` (the host has
+        read the device then)."""
+        values = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+        self.skipped_steps = 0
         if self.scaler is None:
-            return {}
-        values = {"overflow_steps": self.overflow_steps, "loss_scale": self.scaler.get_scale()}
+            return values
+        values.update(overflow_steps=self.overflow_steps, loss_scale=self.scaler.get_scale())
         self.overflow_steps = 0
         return values
 

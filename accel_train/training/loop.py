@@ -120,8 +120,10 @@ def save(run: Run, evaluated: bool) -> str | None:
 
 
 def finish(run: Run) -> dict:
-    """The test set once more where a validation split chose (the test metrics are the run's result), the exported
-    weights, and the observers' end; the final metrics."""
+    """A start that applied no step ends as a non-finite stop does; else the test set once more where a validation
+    split chose (the test metrics are the run's result), the exported weights, and the observers' end; the final
+    metrics."""
+    run.guard.refuse_a_start_without_an_applied_step(run.progress, run.start.step)  # every step skipped: exit 5
     final = run.progress.last_eval
     if run.test_loader is not None:
         with run.meter.paused():

@@ -10,7 +10,7 @@ from torch import nn
 
 from accel_train.config import ModelConfig
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
-from accel_train.import_paths import check_call, import_object, is_given_object, is_import_path
+from accel_train.import_paths import building, check_call, import_object, is_given_object, is_import_path
 from accel_train.registry import Registry
 
 MODELS: Registry[nn.Module] = Registry("model", "model.name")
@@ -72,7 +72,7 @@ def check_model(cfg: ModelConfig) -> None:
     check_pretrained(cfg)
     if is_import_path(cfg.name):
         factory = import_object(cfg.name, "model.name")
-        check_call(factory, "model.name", cfg.name, "model.args", _given(None, None), cfg.args, _GIVEN)
+        check_call(factory, "model.name", cfg.name, "model.args", _given(None, None), cfg.args, _GIVEN, _THROUGH_ANY)
     elif not is_given_object(cfg.name) and cfg.name not in MODELS and cfg.name not in torchvision_model_names():
         raise UserError(f"model.name: unknown model '{cfg.name}'; choose one of {', '.join(MODELS.names())}, a "
                         "torchvision classification model (resnet18, resnet50, vgg16, vit_b_16, ...) or an import "
@@ -80,6 +80,7 @@ def check_model(cfg: ModelConfig) -> None:
 
 
 _GIVEN = frozenset({"num_classes", "image_shape"})  # passed to a user's model only where its signature takes them
+_THROUGH_ANY = frozenset({"num_classes"})  # ... or its **kwargs: what every zoo's factory takes, image_shape none does
 
 
 def _given(num_classes: int | None, image_shape: tuple | None) -> dict:
@@ -89,8 +90,10 @@ def _given(num_classes: int | None, image_shape: tuple | None) -> dict:
 def build_by_import_path(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[int, ...]) -> nn.Module:
     """The user's model: model.name=module:Attr called with num_classes / image_shape and model.args."""
     factory = import_object(cfg.name, "model.name")
-    model = factory(**check_call(factory, "model.name", cfg.name, "model.args", _given(num_classes, image_shape),
-                                 cfg.args, _GIVEN))
+    call = check_call(factory, "model.name", cfg.name, "model.args", _given(num_classes, image_shape), cfg.args, _GIVEN,
+                      _THROUGH_ANY)
+    with building(f"model.name={cfg.name}"):
+        model = factory(**call)
     if not isinstance(model, nn.Module):
         raise UserError(f"model.name={cfg.name}: returned {type(model).__name__}, expected a torch.nn.Module")
     return model

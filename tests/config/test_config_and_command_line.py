@@ -271,3 +271,23 @@ def test_help_does_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip().endswith("torch not loaded")
     assert "accel-train train RECIPE" in result.stdout
+
+
+@pytest.mark.parametrize("command", [["keys"], ["recipes"], ["profiles"], ["runs", "{tmp_path}", "--json"]],
+                         ids=["keys", "recipes", "profiles", "runs --json"])
+def test_a_listing_piped_into_a_reader_that_left_ends_quietly(command, tmp_path):
+    """`accel-train keys | head -1`: head is gone before the listing is written (here, always: its end of the pipe is
+    closed first). No BrokenPipeError traceback, and the shell's exit for a command the pipe ended."""
+    import os
+    import subprocess
+
+    from support.commands import PYTHON, command_env
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run([PYTHON, "-m", "accel_train", *(part.format(tmp_path=tmp_path) for part in command)],
+                                stdout=write, stderr=subprocess.PIPE, text=True, env=command_env(), timeout=120)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (141, ""), result.stderr

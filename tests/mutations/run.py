@@ -341,7 +341,8 @@ MUTATIONS = [
              ("tests/data/test_shard_format_cache_and_store.py::-k rewritten",)),
     # data/shards/cache.py, BlockCache.fetch: a block's bytes are checked (length and sha256) before they are kept.
     Mutation("a retry returns the truncated body (a block's bytes kept unchecked)",
-             "accel_train/data/shards/cache.py", "start, end, check=wrong)", "start, end, check=None)",
+             "accel_train/data/shards/cache.py", "start, end, check=wrong, size=shard.bytes)",
+             "start, end, check=None, size=shard.bytes)",
              ("tests/data/test_shard_blocks_are_checked_before_use.py",)),
     Mutation("batches copied to the GPU with blocking copies (each waits for every kernel queued before it)",
              "accel_train/distributed/accelerator.py",

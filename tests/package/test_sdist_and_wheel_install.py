@@ -31,12 +31,29 @@ def run(command: list, cwd: Path, timeout: int = 600) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """A fresh environment holding the built wheel; torch and torchvision pinned to this environment's, so the
-    install links uv's cached copies instead of fetching newer ones."""
+def built(tmp_path_factory) -> tuple[Path, str]:
+    """The sdist and the wheel `python -m build` makes, in one folder; and what the build said."""
     tmp = tmp_path_factory.mktemp("packaging")
     dist = tmp / "dist"
-    run([sys.executable, "-m", "build", "--installer", "uv", "--outdir", dist, REPO], cwd=tmp)
+    result = run([sys.executable, "-m", "build", "--installer", "uv", "--outdir", dist, REPO], cwd=tmp)
+    return dist, result.stdout + result.stderr
+
+
+def test_the_build_warns_of_nothing_and_the_wheel_names_its_license_as_pep_639_does(built):
+    dist, said = built
+    assert "Warning" not in said and "deprecat" not in said.lower(), said[-5000:]
+    (wheel,) = dist.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata_file,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+        assert "License-Expression: Apache-2.0" in archive.read(metadata_file).decode().splitlines()
+
+
+@pytest.fixture(scope="module")
+def installed(built, tmp_path_factory) -> Path:
+    """A fresh environment holding the built wheel; torch and torchvision pinned to this environment's, so the
+    install links uv's cached copies instead of fetching newer ones."""
+    dist, _ = built
+    tmp = dist.parent
     (sdist,), (wheel,) = dist.glob("*.tar.gz"), dist.glob("*.whl")
     with tarfile.open(sdist) as archive:
         in_sdist = {Path(name).name for name in archive.getnames() if "/accelerate_configs/" in name}

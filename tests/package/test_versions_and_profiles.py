@@ -104,3 +104,18 @@ def test_doctor_takes_a_profile_by_name_and_names_the_choices_for_neither_a_file
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
         "accel-train: error: --config_file multi-gpu: no such file, and no shipped profile of that name "
         "(cpu, fsdp, multi_gpu, multi_node, pytorchjob_elastic, pytorchjob_store, single_gpu, slurm_multi_node)"]
+
+
+def test_make_demo_installs_only_what_the_demo_uses_and_make_test_what_the_tests_use():
+    """The demo trains on Fashion-MNIST: Debian's photographs (the tests' and bench --input's) are not its to install.
+    `make -n` prints what each would run, running nothing."""
+    import subprocess
+
+    from support.locations import REPO
+
+    def planned(target: str) -> str:
+        return subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    demo, test = planned("demo"), planned("test")
+    assert "dataset-fashion-mnist" in demo and "mate-backgrounds" not in demo, demo
+    assert "dataset-fashion-mnist" in test and "mate-backgrounds" in test, test

@@ -117,9 +117,28 @@ def test_the_run_records_when_where_and_how_it_started_and_when_each_line_was_wr
     (["eval", "checkpoint={tmp}/nothing"], 3, "no such file or folder"),
     (["eval", "{run}", "split=train"], 2, "split=train: choose test or val"),
     (["eval", "{run}", "split=val"], 2, "was trained without a validation split"),
+    (["eval", "{run}/checkpoints/step-00000007"], 3, "{run}/checkpoints/step-00000007: no such checkpoint; "
+     "{run}/checkpoints holds step-00000005, step-00000010 (the newest: {run}/checkpoints/step-00000010)"),
+    (["eval", "fashion_mnist_cnn", "checkpoint={run}/checkpoints/step-00000007"], 3, "no such checkpoint; "
+     "{run}/checkpoints holds step-00000005, step-00000010"),
+    (["eval", "{run}/model_best.safetensors"], 3, "{run}/model_best.safetensors: the run kept no best model: it was "
+     "trained without checkpoint.best_metric (set it, e.g. checkpoint.best_metric=accuracy, for a run to keep one); "
+     "evaluate the run's final model (accel-train eval {run}) or one of its checkpoints"),
 ])
 def test_eval_and_predict_say_what_is_missing(run, tmp_path, capsys, args, code, says):
     with pytest.raises(SystemExit) as stop:
         main([arg.format(run=run, tmp=tmp_path) for arg in args])
     err = capsys.readouterr().err
-    assert stop.value.code == code and says in err, (stop.value.code, err)
+    (error,) = [line for line in err.splitlines() if line.startswith("accel-train: error: ")]
+    assert stop.value.code == code and says.format(run=run) in error and "Traceback" not in err, (stop.value.code, err)
+
+
+def test_predict_without_output_never_replaces_a_predictions_csv_that_is_there(run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "predictions.csv").write_text("path,label,score\nmine.png,cat,0.9\n")
+
+    line = refusal(capsys, "predict", str(run), f"input={tmp_path}")
+
+    assert line == ("accel-train: error: predict: predictions.csv is already here (an earlier predict's?); give "
+                    "output=FILE (a file given is written over), or move that one away")
+    assert (tmp_path / "predictions.csv").read_text() == "path,label,score\nmine.png,cat,0.9\n"

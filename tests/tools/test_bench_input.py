@@ -83,3 +83,20 @@ def test_a_demand_of_zero_or_less_is_refused_in_one_line(capsys):
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip() == ("accel-train: error: bench: --demand 0: give the images per second a "
                                                "GPU takes, above 0 (ResNet-50 at 224 px on one A100: about 2470)")
+
+
+@needs_photos
+def test_accel_train_photos_makes_the_folder_and_never_writes_over_one_it_did_not_make(tmp_path, capsys):
+    from accel_train import cli
+
+    cli.main(["photos", str(tmp_path / "photos"), "--train", "12", "--test", "4", "--seed", "3"])
+
+    assert capsys.readouterr().out == (f"{tmp_path / 'photos'}: 12 training and 4 test photographs; train on them "
+                                       f"with: accel-train train imagefolder data.root={tmp_path / 'photos'}\n")
+    assert len(list((tmp_path / "photos").rglob("*.jpg"))) == 16
+    (tmp_path / "mine" / "cat").mkdir(parents=True)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["photos", str(tmp_path / "mine")])
+    assert refused.value.code == 2 and (tmp_path / "mine" / "cat").is_dir()
+    assert capsys.readouterr().err == (f"accel-train: error: photos: {tmp_path / 'mine'} holds files already, and is "
+                                       "not a folder of photographs this command made; give a new folder\n")

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from accel_train import hooks
 from accel_train.run.checkpoint_files import list_checkpoints
 from support.commands import launch, run_probe, train_in_process
 from support.locations import PROBE
@@ -140,3 +141,36 @@ def test_clip_grad_norm_returns_the_norm_before_clipping_and_0_leaves_gradients_
         model.weight.grad = torch.tensor([[6.0, 8.0, 0.0]])
         assert clip_gradients(accelerator, model, max_norm).item() == pytest.approx(10.0)
         assert model.weight.grad.norm().item() == pytest.approx(expected_after, rel=1e-5)
+
+
+class EveryLossIsNaN(hooks.Hooks):
+    """Every training forward pass's loss becomes NaN: a run that cannot apply one step."""
+
+    def after_forward(self, phase, step, model, batch, outputs):
+        return {**outputs, "loss": outputs["loss"] * math.nan} if phase == "train" else outputs
+
+
+def test_on_nonfinite_skip_counts_the_skipped_steps_in_the_train_lines_and_the_summary(tmp_path, capsys):
+    from support.faults import NonFinite
+
+    with hooks.added(NonFinite(2, 0)):
+        train_in_process("mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, "train.max_steps=3",
+                         "train.on_nonfinite=skip")
+
+    assert [line.get("skipped_steps", 0) for line in read_metrics(tmp_path, "train")] == [0, 1, 0]
+    assert ("  skipped    1 of 3 steps, non-finite: no process applied them (train.on_nonfinite=skip; the warnings "
+            "above name them)") in capsys.readouterr().out.splitlines()
+
+
+def test_a_run_whose_every_step_was_skipped_as_nonfinite_exits_5_not_done(tmp_path):
+    from accel_train.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError) as stopped, hooks.added(EveryLossIsNaN()):
+        train_in_process("mnist_cnn", f"output_dir={tmp_path}", *TINY_RUN, "train.max_steps=3",
+                         "train.on_nonfinite=skip")
+
+    assert stopped.value.exit_code == 5
+    assert str(stopped.value) == ("every one of the run's 3 steps was skipped as non-finite (train.on_nonfinite=skip): "
+                                  "no step changed the weights, which are still the initial ones. Lower train.lr, set "
+                                  "train.clip_grad_norm, or look for NaN or inf in the data")
+    assert not (tmp_path / "model.safetensors").exists()

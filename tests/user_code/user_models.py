@@ -23,8 +23,38 @@ class TinyNet(nn.Module):
         return self.net(x)
 
 
+def zoo_model(model_name: str, **kwargs) -> nn.Module:
+    """A zoo's factory (timm's create_model): a model by name, the rest of its keywords passed on to the model's
+    constructor, which takes num_classes and no image_shape."""
+    def constructor(num_classes: int = 1000, width: int = 8) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.LazyLinear(width), nn.ReLU(), nn.Linear(width, num_classes))
+    return {"tiny": constructor}[model_name](**kwargs)
+
+
+def weights_from_the_network(num_classes: int) -> nn.Module:
+    """A model whose pretrained weights are fetched as it is made, on a machine without the network."""
+    raise ConnectionError("Couldn't reach 'tiny/weights' on the Hub")
+
+
 def needs_depth(num_classes: int, depth: int) -> nn.Module:
     return nn.Linear(depth, num_classes)
+
+
+def hub_dataset(train: bool, path: str = "mnist"):
+    """A dataset loader that reaches for the network (datasets' load_dataset offline)."""
+    raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+
+class FirstSampleFails(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        raise ValueError(f"no sample {index}: the file list is empty")
+
+
+def first_sample_fails(train: bool) -> Dataset:
+    return FirstSampleFails()
 
 
 def not_a_module(num_classes: int, image_shape: tuple) -> list:

@@ -72,6 +72,42 @@ def test_what_user_code_returns_is_checked_where_it_is_called(overrides, words):
     assert all(word in str(error.value) for word in words), str(error.value)
 
 
+def test_a_zoo_factory_with_kwargs_gets_num_classes_and_never_an_image_shape_it_does_not_name(tmp_path):
+    """timm's create_model(model_name, **kwargs) passes its keywords on to the model: image_shape would end in a
+    TypeError there."""
+    from accel_train.workloads.models import build_model
+
+    config = checked("model.name=user_models:zoo_model", "model.args.model_name=tiny", "model.args.width=4")
+    model = build_model(config.model, 7, (1, 28, 28))
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 7)
+
+
+@pytest.mark.parametrize("overrides, code, line", [
+    (["data.name=user_models:hub_dataset", "data.args.path=mnist"], 3,
+     "data.name=user_models:hub_dataset: building it raised ConnectionError: Couldn't reach 'mnist' on the Hub "
+     "(LocalEntryNotFoundError) (at user_models.py:"),
+    (["data.name=user_models:first_sample_fails", "data.num_classes=2"], 3,
+     "data.name=user_models:first_sample_fails: reading its first sample raised ValueError: no sample 0: the file "
+     "list is empty (at user_models.py:"),
+    (["model.name=user_models:weights_from_the_network"], 3,
+     "model.name=user_models:weights_from_the_network: building it raised ConnectionError: Couldn't reach "
+     "'tiny/weights' on the Hub (at user_models.py:"),
+    (["model.name=user_models:zoo_model", "model.args.model_name=huge"], 2,
+     "model.name=user_models:zoo_model: building it raised KeyError: 'huge' (at user_models.py:"),
+], ids=["a dataset that cannot reach the network", "a dataset whose first sample fails",
+        "a model whose weights cannot be fetched", "a zoo without that model"])
+def test_what_user_code_raises_while_building_is_one_line_naming_the_key_with_readmes_exit_code(
+        overrides, code, line, tmp_path, capsys):
+    from accel_train.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["train", USER_RECIPE, *overrides, f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == code and "Traceback" not in err, err
+    (said,) = [text for text in err.splitlines() if text.startswith("accel-train: error: ")]
+    assert said.startswith(f"accel-train: error: {line}"), said
+
+
 def test_an_import_path_mistake_on_the_command_line_exits_2_in_one_line(tmp_path):
     result = run_cli("train", USER_RECIPE, "model.name=user_models:needs_depth", f"output_dir={tmp_path}",
                      check=False)
