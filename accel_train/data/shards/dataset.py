@@ -137,7 +137,6 @@ class ShardSamples(Dataset):
                      None)
         return inputs, label
 
-
     def source_file(self, sample: int) -> str | None:
         """The file sample id `sample` was written from (SOURCES_FILE, beside the index), or None where none is
         recorded (the registry's images, tars of one's own, shards written before it was)."""
