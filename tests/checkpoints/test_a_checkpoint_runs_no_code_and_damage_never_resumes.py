@@ -95,6 +95,7 @@ def test_a_file_replaced_by_a_pickle_that_runs_code_is_damage_and_the_previous_c
     assert f"resuming from {previous}: step 2" in captured.out
 
 
+@pytest.mark.floors  # what Accelerate's load_state unpickles, and how, is its version's
 @pytest.mark.parametrize("name", FILES)
 def test_a_file_replaced_by_a_pickle_that_runs_code_with_the_manifest_rewritten_to_match_runs_no_code(
         small_run, tmp_path, capsys, name):
@@ -119,6 +120,7 @@ def test_a_file_replaced_by_a_pickle_that_runs_code_with_the_manifest_rewritten_
     assert not marker.exists()
 
 
+@pytest.mark.floors
 def test_a_checkpoint_written_before_the_ema_was_safetensors_resumes_and_runs_no_code(small_run, tmp_path, capsys):
     """Checkpoints before kept the EMA as Accelerate's custom_checkpoint_0.pkl: it is read with weights_only=True,
     where Accelerate's own load_state would unpickle it with weights_only=False."""
