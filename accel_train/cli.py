@@ -17,6 +17,8 @@ accel-train eval RUN [KEY=VALUE ...]                     evaluate a run's export
 accel-train eval RECIPE checkpoint=PATH [KEY=VALUE ...]  evaluate a run folder, checkpoint or model.safetensors
 accel-train predict RUN input=PATH [output=FILE|URL] [predict.top_k=K ...]
                                                          top labels of image files (file, folder or glob) as CSV
+accel-train export RUN output=DIR [format=onnx]          the run's model as its own library (transformers, timm)
+                                                         loads it, or as ONNX; with a model card
 accel-train shard RECIPE [KEY=VALUE ...] output=URL      the recipe's data as shards at a folder or URL (s3://,
                                                          gs://, ...); train from them with data.name=shards
 accel-train shard index URL                              index tars of your own (webdataset's) at URL/train, /test
@@ -76,6 +78,14 @@ and the like may differ. Prints the metrics as JSON on stdout, with num_samples 
   accel-train predict runs/imagefolder input='photos/*.jpg' output=out.csv predict.top_k=3
 INPUT is an image file, a folder (searched recursively) or a quoted glob. The class names come from the
 run folder's classes.json; as with eval, settings that change what the weights mean must agree with the run's."""),
+    "export": ("write a run's model as a folder its own library loads", "accel-train export RUN output=DIR "
+               "[format=library|onnx] [checkpoint=PATH]", """\
+  accel-train export runs/vit output=exported/vit          # hf: save_pretrained's layout; timm: timm's own
+  accel-train export runs/fm output=exported/fm format=onnx  # any model: model.onnx, checked against onnxruntime
+  hf upload USER/NAME exported/vit                          # publish it on the Hub (huggingface_hub's CLI)
+format=library writes an hf: model as transformers' save_pretrained does (id2label from the run's classes, an image
+processor that makes the inputs the run's evaluation made) and a timm: model as timm saves one; each folder gets a
+model card (README.md) with the run's data, final metrics and config."""),
     "shard": ("write a recipe's data as shards at a folder or URL", "accel-train shard RECIPE [KEY=VALUE ...] "
               "output=URL [images=auto] [shrink_to=PX] [shard_mb=256] [block_mb=4]\n       accel-train shard index URL "
               "[block_mb=4]", """\
@@ -133,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
         elif name == "shard":
             command.add_argument("recipe", metavar="RECIPE", nargs="?", help="the recipe whose data to write (a "
                                  "shipped one or a YAML file); or `index`, then the URL")
+        elif name == "export":
+            command.add_argument("recipe", metavar="RUN", nargs="?", help="a training run's output_dir (or one of its "
+                                 "checkpoints)")
         else:
             command.add_argument("recipe", metavar="RUN", nargs="?", help="a training run's output_dir; or a recipe, "
                                  "with checkpoint=PATH")
@@ -403,6 +416,13 @@ def _run(args: argparse.Namespace) -> None:
         return
     if args.command == "shard":
         return _shard(recipe, overrides, given)
+    if args.command == "export":
+        config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, "export")
+        from accel_train.tools.export import export_run
+
+        files = export_run(config, checkpoint, given["output"], given.get("format", "library"))
+        print(f"exported {checkpoint} to {given['output']}: {', '.join(files)}", flush=True)
+        return
     # eval, predict: a run folder is its own recipe; a recipe given must agree with the run
     split = given.get("split", "test")
     config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, args.command, split=split)
@@ -544,6 +564,7 @@ COMMAND_ARGUMENTS = {
     "eval": {"checkpoint": None, "split": None},
     "predict": {"checkpoint": None, "input": "input=PATH (an image file, a folder or a glob)", "output": None},
     "shard": {"output": None, "shard_mb": None, "block_mb": None, "images": None, "shrink_to": None},
+    "export": {"checkpoint": None, "output": "output=DIR (a new folder)", "format": None},
 }
 
 

@@ -19,9 +19,17 @@ from typing import Any
 
 from accel_train.errors import DataNotFoundError, UserError
 
+SOURCES = ("hf", "timm")  # name prefixes of the places models and data come from by name: not modules
+
+
+def source_of(name: str) -> str | None:
+    """"hf" for hf:REPO, "timm" for timm:NAME; None for any other name (a registry name, an import path)."""
+    prefix, sep, _ = name.partition(":")
+    return prefix if sep and prefix in SOURCES else None
+
 
 def is_import_path(name: str) -> bool:
-    return ":" in name
+    return ":" in name and source_of(name) is None
 
 
 def given_object_name(obj: Any) -> str:

@@ -13,6 +13,9 @@ import pytest
 # ACCEL_TRAIN_TESTS_SEE_GPU=1 leaves it visible, to see which contracts a GPU's kernels keep bit for bit.
 if os.environ.get("ACCEL_TRAIN_TESTS_SEE_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# The Hub offline in the tests' own processes too, as in every command they start (support.commands): a model or
+# dataset by Hub name comes from a cache a test made, and huggingface_hub reads this once, when it is imported.
+os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 from support import commands, processes
 from support.nodes import two_network_namespaces

@@ -13,8 +13,11 @@ from accel_train.import_paths import is_given_object
 # Keys that decide what trained weights mean (model.* too): evaluating, predicting or resuming with another value
 # would silently give other numbers, so a value that contradicts the run's is refused.
 MEANING_KEYS = ("task", "data.name", "data.num_classes", "data.image_size", "data.normalize", "data.mean",
-                "data.std")
+                "data.std", "data.crop_fraction", "data.interpolation")
 STARTING_POINT = ("model.init_from",)  # where training started: not what the trained weights mean
+# Left unset, these take the model's own values (workloads/inputs.py), which the run recorded: the same model.* gives
+# them again, so unset is not a contradiction.
+TAKEN_FROM_THE_MODEL = ("data.image_size", "data.mean", "data.std", "data.crop_fraction", "data.interpolation")
 
 
 def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]:
@@ -31,7 +34,8 @@ def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]
     given = [value for value in ours.values() if isinstance(value, str) and is_given_object(value)]
     return [(key, saved[key], ours.get(key)) for key in saved
             if (key in MEANING_KEYS or key.startswith("model.")) and key not in STARTING_POINT
-            and saved[key] != ours.get(key) and ours.get(key) not in given]
+            and saved[key] != ours.get(key) and ours.get(key) not in given
+            and not (ours.get(key) is None and key in TAKEN_FROM_THE_MODEL)]
 
 
 def refuse_contradictions(recorded: dict, config: Config, what: str, remedy: str) -> None:

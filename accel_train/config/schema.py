@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from accel_train.errors import UserError
-from accel_train.import_paths import is_import_path
+from accel_train.import_paths import is_import_path, source_of
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,21 @@ def doc(text: str, within: Range | tuple[Range, ...] = (), **kwargs: Any) -> Any
 @dataclass
 class DataConfig:
     name: str = doc("dataset from the registry: mnist, fashion_mnist, cifar10, stl10, imagefolder, shards (written by "
-                    "accel-train shard, at data.root: a folder or a URL such as s3://bucket/data); or an import path "
-                    "module:function returning a torch Dataset (called with train=True/False and data.args)",
-                    default="fashion_mnist")
-    args: dict[str, Any] = doc("keyword arguments for a dataset given by import path", default_factory=dict)
+                    "accel-train shard, at data.root: a folder or a URL such as s3://bucket/data); hf:REPO, a Hugging "
+                    "Face dataset (a Hub name, a local folder of parquet, arrow or images, or a save_to_disk folder); "
+                    "or an import path module:function returning a torch Dataset (called with train=True/False and "
+                    "data.args)", default="fashion_mnist")
+    args: dict[str, Any] = doc("keyword arguments for a dataset given by import path (data.name=hf:...: for "
+                               "datasets' load_dataset, e.g. data.args.name=CONFIG)", default_factory=dict)
+    image_column: str | None = doc("data.name=hf:...: the column of images (unset: the one column of the Image "
+                                   "feature type)", default=None)
+    label_column: str | None = doc("data.name=hf:...: the column of labels (unset: the one column of the ClassLabel "
+                                   "feature type; its names are the classes)", default=None)
+    train_split: str = doc("data.name=hf:...: the split to train on", default="train")
+    eval_split: str | None = doc("data.name=hf:...: the split to evaluate on (unset: validation, else test; none: "
+                                 "hold out data.val_fraction of the training split)", default=None)
+    revision: str | None = doc("data.name=hf:...: the Hub dataset's commit, branch or tag (unset: main)",
+                               default=None)
     image_transform: str | None = doc("a dataset given by import path: how `accel-train predict` turns one image file "
                                       "(a PIL image) into the model's input, as an import path module:function "
                                       "(unset: the `transform` of the dataset's evaluation split, train=False)",
@@ -77,8 +88,17 @@ class DataConfig:
     mean: list[float] | None = doc("per-channel mean for normalize (unset: the dataset's own, or with "
                                    "model.pretrained the weights' own)", default=None)
     std: list[float] | None = doc("per-channel standard deviation for normalize (unset: as data.mean)", default=None)
-    image_size: int | None = doc("resize images to this side length (STL-10, ImageFolder)",
-                                 default=None, within=POSITIVE)
+    image_size: int | None = doc("resize images to this side length (STL-10, ImageFolder, hf:; unset: the data's own, "
+                                 "the model's image processor's or pretrained_cfg's for hf: and timm: models, else "
+                                 "224)", default=None, within=POSITIVE)
+    crop_fraction: float | None = doc("ImageFolder-like data (imagefolder, hf:, their shards): evaluation resizes the "
+                                      "short side to image_size / crop_fraction, then crops the centre (1: no crop; "
+                                      "unset: 0.875, as torchvision's 224 of 256, or the hf:/timm: model's)",
+                                      default=None, within=(POSITIVE, Range(lambda value: value <= 1,
+                                                                            "must be 1 or less")))
+    interpolation: Literal["bilinear", "bicubic"] | None = doc(
+        "ImageFolder-like data: how crops and evaluation resize images (unset: bilinear, or the hf:/timm: model's)",
+        default=None)
     num_workers: int | Literal["auto"] = doc("DataLoader worker processes per process (file-backed datasets); auto: "
                                              "the CPU cores this machine has per process, at most 8",
                                              default="auto", within=NON_NEGATIVE)
@@ -102,13 +122,22 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = doc("mnist_cnn, bn_cnn, or any torchvision classification model name (resnet18, vgg16, ...); "
-                    "conv_vae for task=vae; or an import path module:Attr (a class or function returning an "
+                    "conv_vae for task=vae; hf:REPO, a transformers image classifier (a Hub name or a local folder); "
+                    "timm:NAME, a timm model; or an import path module:Attr (a class or function returning an "
                     "nn.Module, called with num_classes and image_shape where it takes them, and model.args)",
                     default="mnist_cnn")
-    args: dict[str, Any] = doc("keyword arguments for a model given by import path", default_factory=dict)
-    pretrained: bool = doc("torchvision models: start from torchvision's default pretrained weights (from TORCH_HOME's "
-                           "cache, or downloaded) with a new head for the data's classes and the weights' "
+    args: dict[str, Any] = doc("keyword arguments for a model given by import path, or for timm's create_model "
+                               "(timm:) and transformers' from_pretrained / from_config (hf:)", default_factory=dict)
+    pretrained: bool = doc("torchvision, hf: and timm: models: start from the pretrained weights (from the cache, "
+                           "or downloaded) with a new head for the data's classes, and their input size and "
                            "normalisation", default=False)
+    revision: str | None = doc("hf: and timm: models: the Hub repository's commit, branch or tag (unset: main)",
+                               default=None)
+    trust_remote_code: bool = doc("hf: models: run the Python code a Hub repository ships (auto_map): only for a "
+                                  "repository you trust", default=False)
+    allow_pickled_weights: bool = doc("hf: models: load weights from a pickled file (pytorch_model.bin) where the "
+                                      "repository has no safetensors (read with weights_only, but only from a source "
+                                      "you trust)", default=False)
     init_from: str | None = doc("start from the weights of an earlier run: its output_dir (model.safetensors), one of "
                                 "its checkpoint folders or a .safetensors file; a new run, the optimizer and "
                                 "schedule fresh (unset: the model's own initialisation)", default=None)
@@ -277,6 +306,8 @@ class Config:
 SECTIONS = ("data", "model", "train", "checkpoint", "predict")
 # The data keys an epoch's order over shards depends on: refused with other datasets, and on a resume that changes them
 SHARD_ORDER_KEYS = ("streams", "shuffle_window_shards")
+HUB_DATA_KEYS = ("image_column", "label_column", "train_split", "eval_split", "revision")  # data.name=hf:... alone
+HUB_MODEL_KEYS = ("revision", "trust_remote_code", "allow_pickled_weights")  # hf: (revision: timm: too)
 
 
 def spelled_mapping(mapping: dict) -> str:
@@ -296,10 +327,19 @@ def check_values(config: Config, given: set[str] | frozenset[str] = frozenset())
             for bound in spec.metadata.get("within", ()):
                 bound.check(f"{section}.{spec.name}", getattr(node, spec.name))
     for key, section, kind in (("model", config.model, "model"), ("data", config.data, "dataset")):
-        if section.args and not is_import_path(section.name):
+        if section.args and not (is_import_path(section.name) or source_of(section.name)):
             raise UserError(f"{key}.args={spelled_mapping(section.args)}: keyword arguments go to a {kind} given by "
-                            f"import path (module:Attr); {key}.name={section.name} takes none, so they would be "
-                            "ignored: remove them")
+                            f"import path (module:Attr) or from the Hub (hf:, timm:); {key}.name={section.name} takes "
+                            "none, so they would be ignored: remove them")
+    for key, section, sources, names in (("data", config.data, ("hf",), HUB_DATA_KEYS),
+                                         ("model", config.model, ("hf", "timm"), HUB_MODEL_KEYS)):
+        set_here = [f"{key}.{name}" for name in names
+                    if getattr(section, name) != fields_of(type(section))[name].default]
+        if set_here and source_of(section.name) not in sources:
+            them, kinds = ("them", "they apply") if len(set_here) > 1 else ("it", "it applies")
+            raise UserError(f"{' and '.join(set_here)}: {kinds} to {' and '.join(f'{source}:' for source in sources)} "
+                            f"{'datasets' if key == 'data' else 'models'} only; {key}.name={section.name} is not one, "
+                            f"so {them.replace('them', 'they')} would be ignored: remove {them}")
     if config.data.image_transform and not is_import_path(config.data.name):
         raise UserError(f"data.image_transform={config.data.image_transform}: it serves a dataset given by import path "
                         f"(module:Attr); data.name={config.data.name} turns image files into inputs itself: remove it")

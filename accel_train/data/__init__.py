@@ -26,7 +26,7 @@ from accel_train.data.torchvision_sets import SOURCES
 from accel_train.data.user import check_user_dataset, from_dataset, user_dataset
 from accel_train.data.validation import hold_out_validation
 from accel_train.errors import UserError
-from accel_train.import_paths import is_given_object, is_import_path
+from accel_train.import_paths import is_given_object, is_import_path, source_of
 
 __all__ = ["DATASETS", "Data", "InMemoryImages", "KeyedSamples", "build_dataset", "check_data_name", "from_dataset",
            "hold_out_validation", "image_converter", "load_image", "make_loader", "sample_keys", "slow_input_advice",
@@ -45,6 +45,10 @@ def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None,
     elif is_given_object(cfg.name):
         raise UserError(f"data.name={cfg.name}: this run's data was given as a Python object; pass it again "
                         "(accel_train.evaluate(..., eval_dataset=...))")
+    elif source_of(cfg.name) == "hf":
+        from accel_train.data.hub import hub_dataset
+
+        data = hub_dataset(cfg, train, classes=None if train else classes)
     else:
         data = DATASETS.get(cfg.name)(cfg, train, classes=None if train else classes)
     if train or data.in_memory:  # the registry's in-memory sets: one fixed list of classes, the same in both splits
@@ -56,6 +60,7 @@ def check_data_name(cfg: DataConfig) -> None:
     """Before any data loads: a registered name, or an import path to a function that takes train= and data.args;
     per-sample augmentation only where samples are transformed one by one."""
     if (cfg.trivial_augment or cfg.random_erasing) and not (cfg.name in ("imagefolder", "shards") or
+                                                            source_of(cfg.name) == "hf" or
                                                             (cfg.name in SOURCES and not cfg.on_device)):
         where = "set data.on_device=false to transform samples one by one in DataLoader workers" \
             if cfg.name in SOURCES else "a dataset by import path applies its own transforms"
@@ -63,5 +68,12 @@ def check_data_name(cfg: DataConfig) -> None:
                         f"or {', '.join(SOURCES)} with data.on_device=false); data.name={cfg.name}: {where}")
     if is_import_path(cfg.name):
         check_user_dataset(cfg)
+    elif source_of(cfg.name) == "hf":
+        from accel_train.data.hub import check_hub_data
+
+        check_hub_data(cfg)
+    elif source_of(cfg.name) is not None:
+        raise UserError(f"data.name={cfg.name}: datasets come from the Hub as hf:NAME; {cfg.name.partition(':')[0]}: "
+                        "names models only")
     elif not is_given_object(cfg.name):
         DATASETS.get(cfg.name)

@@ -162,10 +162,10 @@ class ImagesToModelInput:
     Crops (random crops of raw pixels, cut on the host) are first resized to `size` here, each by the resize that
     RandomResizedCrop makes on the host (antialiased, on uint8), so the host only copies pixels."""
 
-    def __init__(self, mean, std, size: int | None = None) -> None:
+    def __init__(self, mean, std, size: int | None = None, interpolation: str = "bilinear") -> None:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
-        self.size = size
+        self.size, self.interpolation = size, interpolation
         self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, batch):
@@ -179,7 +179,7 @@ class ImagesToModelInput:
     def images(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images, (C, H, W) or (N, C, H, W), or Crops, as normalised float32."""
         if isinstance(images, Crops):
-            images = resized_crops(images, self.size)
+            images = resized_crops(images, self.size, self.interpolation)
         if images.dtype != torch.uint8:
             return images
         mean, std = self.normalization_on(images.device)
@@ -194,13 +194,15 @@ class ImagesToModelInput:
         return self.on_device[device]
 
 
-def resized_crops(crops: Crops, size: int) -> torch.Tensor:
+def resized_crops(crops: Crops, size: int, interpolation: str = "bilinear") -> torch.Tensor:
     """Each crop resized to (size, size), stacked: uint8 (N, C, size, size) where the crops are. A crop at a time,
     as torchvision resizes one image (no batched resize takes inputs of different sizes); flipping (on the host)
     and this resize commute bit for bit."""
-    from torchvision.transforms.v2 import functional
+    from torchvision.transforms.v2 import InterpolationMode, functional
 
-    return torch.stack([functional.resize(crop, [size, size], antialias=True) for crop in crops.images()])
+    mode = InterpolationMode(interpolation)
+    return torch.stack([functional.resize(crop, [size, size], interpolation=mode, antialias=True)
+                        for crop in crops.images()])
 
 
 def model_input(finish: ImagesToModelInput | None, batch):

@@ -4,6 +4,7 @@ v2); the batches are scaled and normalised on the device (decode.ImagesToModelIn
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from accel_train.data.registry import (
 from accel_train.errors import DataNotFoundError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DEFAULT_CROP_FRACTION = 0.875  # torchvision's evaluation: 224 px of 256
 
 
 @DATASETS.register("imagefolder")
@@ -106,18 +108,28 @@ def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | N
     """ImageFolder's transforms, from a uint8 tensor (or a PIL image) to uint8 (3, size, size): scaled and normalised
     on the device by imagefolder_finish. Random erasing (data.random_erasing) erases normalised pixels, as timm does:
     where it is on, the training samples are normalised here, on the host, with the same operations."""
-    size = cfg.image_size or 224
+    size, mode = cfg.image_size or 224, interpolation_of(cfg)
     if train:
-        transform = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if cfg.augment \
-            else [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        transform = [v2.RandomResizedCrop(size, interpolation=mode, antialias=True), v2.RandomHorizontalFlip()] \
+            if cfg.augment else [v2.Resize(size, interpolation=mode, antialias=True), v2.CenterCrop(size)]
         transform += [v2.TrivialAugmentWide()] if cfg.trivial_augment else []  # on uint8, as it expects
     else:
-        transform = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
+        transform = [v2.Resize(evaluation_resize(cfg), interpolation=mode, antialias=True), v2.CenterCrop(size)]
     on_host = []
     if train and cfg.random_erasing:  # after normalising, as timm erases
         on_host = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(*imagefolder_normalization(cfg, normalization)),
                    v2.RandomErasing(cfg.random_erasing)]
     return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, *on_host])
+
+
+def evaluation_resize(cfg: DataConfig) -> int:
+    """The short side evaluation resizes to before its centre crop of image_size: image_size / data.crop_fraction
+    (rounded down, as timm does), 256 for 224 by default."""
+    return math.floor((cfg.image_size or 224) / (cfg.crop_fraction or DEFAULT_CROP_FRACTION))
+
+
+def interpolation_of(cfg: DataConfig) -> v2.InterpolationMode:
+    return v2.InterpolationMode(cfg.interpolation or "bilinear")
 
 
 def crop_region_transform() -> v2.Compose:
@@ -149,7 +161,8 @@ def imagefolder_normalization(cfg: DataConfig, normalization: tuple | None = Non
 
 def imagefolder_finish(cfg: DataConfig, normalization: tuple | None = None) -> ImagesToModelInput:
     """How ImageFolder's uint8 batches (and crops of raw pixels) become the model's input on the device."""
-    return ImagesToModelInput(*imagefolder_normalization(cfg, normalization), cfg.image_size or 224)
+    return ImagesToModelInput(*imagefolder_normalization(cfg, normalization), cfg.image_size or 224,
+                              cfg.interpolation or "bilinear")
 
 
 def load_image(path: str, reader: str = "imagefolder") -> Image.Image:

@@ -14,13 +14,14 @@ from accel_train.data.imagefolder import imagefolder_finish, imagefolder_transfo
 from accel_train.data.in_memory import to_model_input
 from accel_train.data.torchvision_sets import SOURCES, normalization
 from accel_train.errors import UserError
-from accel_train.import_paths import import_object, is_import_path
+from accel_train.import_paths import import_object, is_import_path, source_of
 
 
 def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tensor], tuple[int, ...] | None]:
     """How evaluation turns one image into the model's input (channels, size, normalisation), and that input's
     shape where it is known without an image: what accel-train predict applies to each file."""
-    if cfg.name == "imagefolder":  # the evaluation transform, then the device's scaling and normalisation, per image
+    if cfg.name == "imagefolder" or source_of(cfg.name) == "hf":  # the evaluation transform, then the device's
+        # scaling and normalisation, per image
         size = cfg.image_size or 224
         transform, finish = imagefolder_transform(cfg, train=False), imagefolder_finish(cfg)
         return (lambda image: finish.images(transform(image))), (3, size, size)

@@ -15,6 +15,7 @@ from accel_train.data.in_memory import InMemoryImages
 from accel_train.data.registry import Data
 from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import UserError
+from accel_train.import_paths import source_of
 
 
 def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | None = None) -> tuple[Data, Data | None]:
@@ -22,6 +23,11 @@ def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | No
     data.val_fraction of the training set drawn by `seed` before any process takes its share: every world size
     holds out the same samples. It is evaluated as the `test` split is (no augmentation), limited by
     data.eval_subset."""
+    if source_of(cfg.name) == "hf":
+        from accel_train.data.hub import holds_out_evaluation
+
+        if holds_out_evaluation(cfg):  # data.val_fraction made the evaluation split: none other is held out
+            return train, None
     if cfg.name == "shards" and not cfg.val_fraction:
         from accel_train.data.shards.dataset import validation_split
 
@@ -56,7 +62,7 @@ def _as_evaluated(dataset: Dataset, cfg: DataConfig, test: Data | None) -> Datas
     transform; a user's dataset with the `transform` of its test split where both have one (torchvision's datasets
     do), else as it is, with one warning."""
     inner = dataset.dataset if isinstance(dataset, Subset) else dataset
-    if cfg.name == "imagefolder":
+    if cfg.name == "imagefolder" or source_of(cfg.name) == "hf":
         transform = imagefolder_transform(cfg, train=False)
     else:
         evaluated = test.dataset if test is not None else None

@@ -44,7 +44,7 @@ BATCHES_PER_WORKER = 8
 
 def run_input_bench(recipe: str, overrides: list[str], batches: int | None, demand: float | None) -> dict:
     from accel_train.data.decode import decoder_name
-    from accel_train.data.imagefolder import imagefolder_normalization, training_split
+    from accel_train.data.imagefolder import evaluation_resize, imagefolder_normalization, training_split
     from accel_train.distributed.accelerator import make_accelerator
     from accel_train.tools.photos import make_photo_folder
 
@@ -81,7 +81,7 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
     shards_at = out / "shards"
     from accel_train.data.shards.writer import write_shards
 
-    resize = int(size * 256 / 224)  # the evaluation transform's: shrunk to it, evaluation sees the tree's pixels
+    resize = evaluation_resize(data)  # the evaluation transform's: shrunk to it, evaluation sees the tree's pixels
     stored = {"as_given": shards_at, "jpeg": out / f"shards_jpeg_{resize}", "raw": out / f"shards_raw_{resize}"}
     for images, at in stored.items():
         started = time.perf_counter()

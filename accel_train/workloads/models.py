@@ -1,4 +1,5 @@
-"""Models by name (our own small nets, or any torchvision classification model) and device speed switches."""
+"""Models by name (our own small nets, any torchvision classification model, a library's by name: hf_models.py,
+timm_models.py; a user's by import path) and device speed switches."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from torch import nn
 
 from accel_train.config import ModelConfig
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
-from accel_train.import_paths import building, check_call, import_object, is_given_object, is_import_path
+from accel_train.import_paths import building, check_call, import_object, is_given_object, is_import_path, source_of
 from accel_train.registry import Registry
+from accel_train.workloads.inputs import InputDefaults
 
 MODELS: Registry[nn.Module] = Registry("model", "model.name")
 
@@ -67,10 +69,40 @@ def torchvision_model_names() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
+def model_source(cfg: ModelConfig):
+    """The module of a model that comes from a library by name (hf:, timm:): check, input_defaults, build, export;
+    None for the others."""
+    source = source_of(cfg.name)
+    if source == "hf":
+        from accel_train.workloads import hf_models
+
+        return hf_models
+    if source == "timm":
+        from accel_train.workloads import timm_models
+
+        return timm_models
+    return None
+
+
+def input_defaults(cfg: ModelConfig) -> InputDefaults:
+    """What the model expects of its inputs: a Hub model's processor's, timm's pretrained_cfg, torchvision's
+    pretrained weights' normalisation; nothing for the others."""
+    source = model_source(cfg)
+    if source is not None:
+        return source.input_defaults(cfg)
+    if cfg.pretrained:
+        return InputDefaults(None, *weights_normalization(cfg.name))
+    return InputDefaults()
+
+
 def check_model(cfg: ModelConfig) -> None:
-    """Before any data loads: a registered or torchvision name, or an import path whose signature fits."""
+    """Before any data loads: a registered or torchvision name, a library's model by name, or an import path whose
+    signature fits."""
     check_pretrained(cfg)
-    if is_import_path(cfg.name):
+    source = model_source(cfg)
+    if source is not None:
+        source.check(cfg)
+    elif is_import_path(cfg.name):
         factory = import_object(cfg.name, "model.name")
         check_call(factory, "model.name", cfg.name, "model.args", _given(None, None), cfg.args, _GIVEN, _THROUGH_ANY)
     elif not is_given_object(cfg.name) and cfg.name not in MODELS and cfg.name not in torchvision_model_names():
@@ -99,13 +131,21 @@ def build_by_import_path(cfg: ModelConfig, num_classes: int | None, image_shape:
     return model
 
 
-def build_model(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[int, ...]) -> nn.Module:
-    """The model model.name names: registered, torchvision or by import path; model.dropout applies to all."""
+def build_model(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[int, ...],
+                classes: list[str] | None = None) -> nn.Module:
+    """The model model.name names: registered, torchvision, a library's by name (hf:, timm:: its head named by
+    `classes`) or by import path; model.dropout applies to all."""
     check_model(cfg)
     if is_given_object(cfg.name):
         raise UserError(f"model.name={cfg.name}: this run's model was given as a Python object; pass it again "
                         "(accel_train.evaluate(..., model=...))")
-    if is_import_path(cfg.name):
+    source = model_source(cfg)
+    if source is not None and num_classes is None:
+        raise UserError(f"model.name={cfg.name} needs the number of classes, which the data does not give; set "
+                        "data.num_classes")
+    if source is not None:
+        model = source.build(cfg, num_classes, classes)
+    elif is_import_path(cfg.name):
         model = build_by_import_path(cfg, num_classes, image_shape)
     elif num_classes is None:
         raise UserError(f"model.name={cfg.name} needs the number of classes, which the data does not give; set "
@@ -113,23 +153,40 @@ def build_model(cfg: ModelConfig, num_classes: int | None, image_shape: tuple[in
     elif cfg.name in MODELS:
         model = MODELS.get(cfg.name)(num_classes, image_shape)
     elif cfg.pretrained:
-        model = pretrained_model(cfg.name, num_classes, cfg.freeze_backbone)
+        model = pretrained_model(cfg.name, num_classes)
     else:
         import torchvision
 
         model = torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes)
+    if cfg.freeze_backbone:
+        freeze_all_but_the_head(model, num_classes)
     if not cfg.dropout:
         remove_dropout(model)
     return model
 
 
+def freeze_all_but_the_head(model: nn.Module, num_classes: int) -> None:
+    """model.freeze_backbone: only the last layer that outputs the classes trains (linear probing)."""
+    heads = [module for module in model.modules()
+             if isinstance(module, nn.Linear) and module.out_features == num_classes
+             or isinstance(module, nn.Conv2d) and module.out_channels == num_classes]
+    if not heads:
+        raise UserError(f"model.freeze_backbone=true: no output layer of {num_classes} classes found in "
+                        f"{type(model).__name__} to train alone")
+    for parameter in model.parameters():
+        parameter.requires_grad = False
+    for parameter in heads[-1].parameters():
+        parameter.requires_grad = True
+
+
 def check_pretrained(cfg: ModelConfig) -> None:
-    """model.pretrained and model.freeze_backbone apply to torchvision models only."""
+    """model.pretrained and model.freeze_backbone apply to torchvision, hf: and timm: models only."""
     if cfg.freeze_backbone and not cfg.pretrained:
         raise UserError("model.freeze_backbone=true needs model.pretrained=true (a backbone worth keeping)")
     if cfg.pretrained and (cfg.name in MODELS or is_import_path(cfg.name) or is_given_object(cfg.name)):
-        raise UserError(f"model.pretrained=true: {cfg.name} is not a torchvision model; load your own weights in "
-                        "your model's constructor, or choose a torchvision model (resnet18, vgg16, ...)")
+        raise UserError(f"model.pretrained=true: {cfg.name} is not a torchvision, hf: or timm: model; load your own "
+                        "weights in your model's constructor, or choose one of those (resnet18, hf:REPO, "
+                        "timm:NAME, ...)")
 
 
 def pretrained_weights(name: str):
@@ -145,7 +202,7 @@ def weights_normalization(name: str) -> tuple[list[float], list[float]]:
     return list(transforms.mean), list(transforms.std)
 
 
-def pretrained_model(name: str, num_classes: int, freeze_backbone: bool) -> nn.Module:
+def pretrained_model(name: str, num_classes: int) -> nn.Module:
     """A torchvision model with its default weights from TORCH_HOME's cache (or downloaded), and a new head."""
     import torchvision
 
@@ -160,12 +217,7 @@ def pretrained_model(name: str, num_classes: int, freeze_backbone: bool) -> nn.M
     except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
         raise UnreadableFileError(f"model.pretrained=true: {cached} is damaged ({str(err).splitlines()[0]}); delete "
                                   "it to download it again, or replace it") from None
-    head = replace_head(model, len(weights.meta["categories"]), num_classes)
-    if freeze_backbone:
-        for parameter in model.parameters():
-            parameter.requires_grad = False
-        for parameter in head.parameters():
-            parameter.requires_grad = True
+    replace_head(model, len(weights.meta["categories"]), num_classes)
     return model
 
 

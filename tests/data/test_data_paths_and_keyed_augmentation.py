@@ -3,6 +3,7 @@ DataLoader, and every path augments a sample as a function of (seed, epoch, its 
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -234,19 +235,22 @@ KEYED_DATA = {
     "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": [
         "data.name=shards", "data.synthetic=false", "data.augment=true", "data.trivial_augment=true",
         "data.random_erasing=0.5"],
+    "hf_dataset_augmented": ["data.synthetic=false", "data.augment=true", "data.image_size=16"],
 }
 # What each run's data is made from: an ImageFolder tree of JPEGs, shards of it as raw pixels, the registry's shards
 SOURCE = {"imagefolder_tree_augmented": "tree", "raw_pixel_shards_of_that_tree": "tree shards",
           "raw_pixel_shards_of_the_registry": "registry shards",
           "raw_pixel_shards_of_that_tree_trivially_augmented_and_erased": "tree shards",
-          "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": "registry shards"}
+          "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": "registry shards",
+          "hf_dataset_augmented": "hf dataset"}
 # (processes, DataLoader workers) of the launched runs: at 2 processes with and without workers, for a user dataset,
 # for an ImageFolder of JPEGs (decoded into tensors, cropped and flipped as uint8, normalised on the device) and for
 # shards of it as raw pixels shrunk to 18 px (nothing decoded)
 LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_augmented": [(2, 0), (2, 2)],
             "raw_pixel_shards_of_that_tree": [(2, 0), (2, 2)], "raw_pixel_shards_of_the_registry": [(2, 0), (2, 2)],
             "raw_pixel_shards_of_that_tree_trivially_augmented_and_erased": [(2, 2)],
-            "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": [(2, 2)]}
+            "raw_pixel_shards_of_the_registry_trivially_augmented_and_erased": [(2, 2)],
+            "hf_dataset_augmented": [(2, 0), (2, 2)]}
 
 
 def _imagefolder_tree(root) -> str:
@@ -259,6 +263,21 @@ def _imagefolder_tree(root) -> str:
             pixels = torch.randint(0, 256, (20, 20, 3), dtype=torch.uint8, generator=generator)
             Image.fromarray(pixels.numpy()).save(folder / "image.jpg", quality=90)
     return str(root)
+
+
+def _hf_dataset(folder) -> str:
+    """The tree's 24 noise JPEGs as a Hugging Face dataset (save_to_disk), a ClassLabel of 24 names: a sample's label
+    is its index, as in the tree."""
+    import datasets
+
+    tree = Path(_imagefolder_tree(folder.parent / "hf_tree"))
+    names = [f"c{index:02d}" for index in range(24)]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    splits = {split: datasets.Dataset.from_dict(
+        {"image": [{"bytes": (tree / split / name / "image.jpg").read_bytes(), "path": None} for name in names],
+         "label": list(range(24))}, features=features) for split in ("train", "test")}
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    return str(folder)
 
 
 def _registry_shards(root) -> None:
@@ -294,6 +313,8 @@ def keyed_runs(request, tmp_path_factory):
     data, source = KEYED_DATA[request.param], SOURCE.get(request.param)
     if source == "tree":
         data = [*data, f"data.root={_imagefolder_tree(tmp / 'images')}"]
+    elif source == "hf dataset":
+        data = [*data, f"data.name=hf:{_hf_dataset(tmp / 'hf')}"]
     elif source is not None:
         from accel_train.data.shards.writer import write_shards
 

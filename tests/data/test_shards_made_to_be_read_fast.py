@@ -220,9 +220,8 @@ def test_a_run_from_raw_pixel_shards_resumed_after_a_crash_equals_one_run_uninte
 
 @pytest.mark.parametrize("arguments, says", [
     (["images=png"], "shard: images=png: choose one of auto, as_given, raw, jpeg"),
-    (["shrink_to=256"], "shard: shrink_to=256 is for ImageFolder trees (data.name=imagefolder); the registry's "
-                        "datasets are small and stored as raw pixels; data.name=fashion_mnist's samples are written "
-                        "as they come"),
+    (["shrink_to=256"], "shard: shrink_to=256 is for ImageFolder trees and hf: datasets; the registry's datasets are "
+                        "small and stored as raw pixels; data.name=fashion_mnist's samples are written as they come"),
     (["shrink_to=0"], "shard: shrink_to=0: the short side in pixels, a whole number above 0"),
     (["shrink_to=big"], "shard: shrink_to=big: the short side in pixels, a whole number above 0"),
 ])
@@ -235,7 +234,7 @@ def test_shrinking_asks_for_images_stored_anew_and_a_dataset_by_import_path_keep
     for split in ("train", "test"):
         (tree / split / "a").mkdir(parents=True)
     cases = (([USER_RECIPE, "data.name=user_models:drawing_points", "images=raw"],
-              "shard: images=raw is for the registry's datasets and ImageFolder trees; "
+              "shard: images=raw is for the registry's datasets, ImageFolder trees and hf: datasets; "
               "data.name=user_models:drawing_points's samples are written as they come"),
              (["imagefolder", f"data.root={tree}", "shrink_to=64"],
               "shard: shrink_to=64 stores images anew: give images=raw (pixels, read fastest) or images=jpeg "

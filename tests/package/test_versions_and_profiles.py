@@ -65,9 +65,10 @@ def test_a_too_old_tensorboard_is_refused_in_one_line_only_when_a_run_would_log_
 @pytest.mark.skipif(not os.environ.get("ACCEL_TRAIN_AT_FLOORS"), reason="only in make test-min's environment")
 def test_make_test_min_runs_every_direct_dependency_at_its_declared_floor():
     at_floor = [r for r in DECLARED if r.name not in NOT_AT_FLOOR and (not r.marker or any(
-        r.marker.evaluate({"extra": extra}) for extra in ("tensorboard", "sweep", "s3")))]
+        r.marker.evaluate({"extra": extra}) for extra in ("tensorboard", "sweep", "s3", "hub", "onnx")))]
     assert {r.name for r in at_floor} >= {"accelerate", "evaluate", "datasets", "pyyaml", "tqdm", "safetensors",
-                                          "tensorboard", "optuna", "fsspec", "s3fs"}
+                                          "tensorboard", "optuna", "fsspec", "s3fs", "transformers", "timm",
+                                          "huggingface_hub", "onnx", "onnxscript", "onnxruntime"}
     for requirement in at_floor:
         (floor,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
         assert Version(metadata.version(requirement.name)) == Version(floor), \

@@ -59,7 +59,7 @@ def test_offline_without_cached_weights_exits_3_naming_the_file_and_the_folder(t
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["model.name=mnist_cnn"], ["mnist_cnn is not a torchvision model"]),
+    (["model.name=mnist_cnn"], ["mnist_cnn is not a torchvision, hf: or timm: model"]),
     (["model.pretrained=false", "model.freeze_backbone=true"], ["model.freeze_backbone=true needs model.pretrained"]),
     (["data.mean=[0.5]", "data.std=[0.5]"], ["one value per channel"]),
 ])

@@ -49,6 +49,7 @@ from accel_train.data.shards.format import (
 )
 from accel_train.data.torchvision_sets import SOURCES
 from accel_train.errors import UnreadableFileError, UserError
+from accel_train.import_paths import source_of
 from accel_train.storage import Store, check_location, is_remote
 
 JPEG_QUALITY = 90  # images=jpeg: the usual quality of a photograph (and of the bench's folder of them)
@@ -153,6 +154,44 @@ def _imagefolder(cfg: DataConfig, dataset, split: str, storage: ImageStorage) ->
                        [os.path.relpath(path, cfg.root) for path, _ in files])
 
 
+def _hub(cfg: DataConfig, data, split: str, storage: ImageStorage) -> SourceSplit:
+    """A Hugging Face dataset's split (data.name=hf:...): each image's stored bytes (or stored anew), its label by the
+    training split's class names, ImageFolder's transforms."""
+    from accel_train.data.classes import Relabelled
+    from accel_train.data.shards.dataset import under_subsets
+
+    dataset, mapping = data.dataset, None
+    if isinstance(dataset, Relabelled):
+        dataset, mapping = dataset.dataset, dataset.mapping
+    base, indices = under_subsets(dataset)
+    mean, std = given_normalization(cfg, 3) or (IMAGENET_MEAN, IMAGENET_STD)
+
+    def row(index: int) -> int:
+        return int(indices[index]) if indices is not None else index
+
+    def members(index: int) -> dict[str, bytes]:
+        encoded, name = base.encoded(row(index))
+        label = base.label(row(index))
+        return {**storage.of_file(encoded, _extension_of(encoded), name),
+                "cls": str(mapping[label] if mapping is not None else label).encode()}
+    return SourceSplit(split, len(dataset), members, dict(classes=data.classes, num_classes=data.num_classes,
+                                                          channels=3, image_size=None, mean=list(mean), std=list(std),
+                                                          transforms="imagefolder", source=cfg.name,
+                                                          **asdict(storage)),
+                       lambda index: base.encoded(row(index))[1])
+
+
+def _extension_of(encoded: bytes) -> str:
+    """An image's format by its first bytes (a dataset's images carry no file name to go by)."""
+    if encoded.startswith(b"\x89PNG"):
+        return "png"
+    if encoded.startswith(b"\xff\xd8"):
+        return "jpg"
+    if encoded[:4] == b"RIFF" and encoded[8:12] == b"WEBP":
+        return "webp"
+    return "png"  # stored under .png; read back by its own first bytes (decode.py)
+
+
 def _is_image_tensor(inputs) -> bool:
     return torch.is_tensor(inputs) and inputs.dtype == torch.uint8 and inputs.dim() == 3 and inputs.shape[0] in (1, 3)
 
@@ -183,14 +222,13 @@ def storage_for(cfg: DataConfig, images: str, shrink_to: int | None) -> ImageSto
     CIFAR, STL-10) as raw pixels and every other source's images as given; shrinking is for ImageFolder trees."""
     if images not in ("auto", *IMAGE_STORAGE):
         raise UserError(f"shard: images={images}: choose one of auto, {', '.join(IMAGE_STORAGE)}")
-    registry = cfg.name in SOURCES
-    if cfg.name not in ("imagefolder", *SOURCES) and images not in ("auto", "as_given") or \
-            shrink_to is not None and cfg.name != "imagefolder":
+    registry, files = cfg.name in SOURCES, cfg.name == "imagefolder" or source_of(cfg.name) == "hf"
+    if not (files or registry) and images not in ("auto", "as_given") or shrink_to is not None and not files:
         given = f"images={images}" if shrink_to is None else f"shrink_to={shrink_to}"
-        raise UserError(f"shard: {given} is for " + ("ImageFolder trees (data.name=imagefolder); the registry's "
+        raise UserError(f"shard: {given} is for " + ("ImageFolder trees and hf: datasets; the registry's "
                         "datasets are small and stored as raw pixels" if shrink_to is not None else
-                        "the registry's datasets and ImageFolder trees") + f"; data.name={cfg.name}'s samples are "
-                        "written as they come")
+                        "the registry's datasets, ImageFolder trees and hf: datasets") + f"; data.name={cfg.name}'s "
+                        "samples are written as they come")
     if shrink_to is not None and images not in ("raw", "jpeg"):
         raise UserError(f"shard: shrink_to={shrink_to} stores images anew: give images=raw (pixels, read fastest) or "
                         f"images=jpeg (smaller), not images={images}")
@@ -220,6 +258,8 @@ def source_splits(cfg: DataConfig, storage: ImageStorage = ImageStorage(),
         classes = data.classes if train else classes
         if isinstance(data.dataset, InMemoryImages):
             found.append(_in_memory(cfg, data, split, storage))
+        elif source_of(cfg.name) == "hf":
+            found.append(_hub(cfg, data, split, storage))
         elif cfg.name == "imagefolder":
             found.append(_imagefolder(cfg, data.dataset, split, storage))
         else:

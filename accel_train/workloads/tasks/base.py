@@ -28,13 +28,14 @@ class Task:
         """Before any data loads: reject names and import paths this task cannot build, and resolve what the
         config leaves to them (the pretrained weights' normalisation)."""
         from accel_train.data import check_data_name
-        from accel_train.workloads.models import check_model, weights_normalization
+        from accel_train.workloads.inputs import take_defaults
+        from accel_train.workloads.models import check_model, input_defaults
 
         check_data_name(config.data)
         check_model(config.model)
-        if config.model.pretrained and config.data.mean is None and config.data.std is None:
-            # the inputs the weights were trained on; recorded in config.yaml, so eval and predict agree
-            config.data.mean, config.data.std = weights_normalization(config.model.name)
+        # the inputs the model expects (its weights were trained on): the data keys left unset; recorded in
+        # config.yaml, so eval, predict and a resume agree
+        take_defaults(config.data, input_defaults(config.model))
 
     def setup(self, config: Config, data: Data) -> None:
         """Once before training, evaluation or prediction, with the data the model is built for: keep what the
@@ -45,7 +46,7 @@ class Task:
         path, called with num_classes and image_shape where it takes them, and model.args."""
         from accel_train.workloads.models import build_model
 
-        return build_model(config.model, data.num_classes, data.image_shape)
+        return build_model(config.model, data.num_classes, data.image_shape, data.classes)
 
     def training_step(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         """Scalar terms for this process's batch; "loss" is optimized, every term is logged."""

@@ -46,11 +46,11 @@ class ClassificationTask(Task):
 
     def training_step(self, model, batch):
         images, labels = batch  # labels: class indices, or class probabilities from MixUp / CutMix
-        return {"loss": F.cross_entropy(model(images), labels, label_smoothing=self.label_smoothing)}
+        return {"loss": F.cross_entropy(logits_of(model(images)), labels, label_smoothing=self.label_smoothing)}
 
     def eval_step(self, model, batch):
         images, labels = batch
-        logits = model(images)
+        logits = logits_of(model(images))
         k = min(self.top_k, logits.shape[-1])
         return {
             "predictions": logits.topk(k, dim=-1).indices,
@@ -64,8 +64,13 @@ class ClassificationTask(Task):
         return WithComputeArgs(in_memory(ClassificationMetrics), report_top5=self.report_top5)
 
     def predict_step(self, model, inputs):
-        scores, labels = model(inputs).float().softmax(dim=-1).topk(self.predict_top_k, dim=-1)
+        scores, labels = logits_of(model(inputs)).float().softmax(dim=-1).topk(self.predict_top_k, dim=-1)
         return {"labels": labels, "scores": scores}
+
+
+def logits_of(outputs) -> torch.Tensor:
+    """The logits of what a model returns: a tensor, or an output object with `logits` (transformers' models)."""
+    return outputs if torch.is_tensor(outputs) else outputs.logits
 
 
 def _is_classification_sample(sample) -> bool:

@@ -1,0 +1,220 @@
+"""data.name=hf:WHERE: a Hugging Face dataset of images through `datasets`: a Hub name (load_dataset, from the Hub or,
+offline with HF_HUB_OFFLINE=1, the Hugging Face cache), a local folder of parquet, arrow or images (load_dataset), or a
+folder save_to_disk wrote (load_from_disk).
+
+The image and label columns are found by their feature types (Image, ClassLabel) or named (data.image_column,
+data.label_column); the ClassLabel's names are the classes, and an evaluation split is labelled by the training split's
+names. Images go from the Arrow bytes straight to uint8 tensors (decode.py), through ImageFolder's transforms, each
+sample's draws keyed by (seed, epoch, index), and are normalised on the device: the same path as an ImageFolder
+tree's. A dataset without an evaluation split holds out data.val_fraction of its training split for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from accel_train.config import DataConfig
+from accel_train.data.classes import labelled_by
+from accel_train.data.decode import decode_image_bytes
+from accel_train.data.imagefolder import augments, imagefolder_finish, imagefolder_transform
+from accel_train.data.in_memory import augment_draws
+from accel_train.data.registry import Data
+from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
+
+EVALUATION_SPLITS = ("validation", "valid", "val", "test")  # the first there, where data.eval_split is unset
+HOLD_OUT_SEED = 0  # a dataset without an evaluation split: the samples held out for one, the same in every run
+
+
+def where(cfg: DataConfig) -> str:
+    return cfg.name.partition(":")[2]
+
+
+@functools.lru_cache(maxsize=4)
+def _load(name: str, revision: str | None, args: tuple):
+    """The dataset's splits (a DatasetDict), as `datasets` loads them: its cache prepared once a machine (set-up
+    builds the data on each machine's main process first)."""
+    import datasets
+
+    logging.getLogger("datasets").setLevel(logging.ERROR)
+    folder = Path(name).expanduser()
+    try:
+        if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+            loaded = datasets.load_from_disk(str(folder))
+        else:
+            try:
+                loaded = datasets.load_dataset(name, revision=revision, **dict(args))
+            except ConnectionError:
+                loaded = datasets.load_dataset(cached_snapshot(name, revision), **dict(args))
+    except (ConnectionError, FileNotFoundError, OSError) as err:
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataNotFoundError(f"data.name=hf:{name}: cannot load it ({text}); offline (HF_HUB_OFFLINE=1) it must be "
+                                "in the Hugging Face cache (HF_HOME); a local folder must hold parquet, arrow or image "
+                                "files, or what save_to_disk wrote") from None
+    except ValueError as err:  # datasets' own words for a config or split it does not know
+        raise UserError(f"data.name=hf:{name}: {str(err).splitlines()[0]}") from None
+    return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+
+
+def cached_snapshot(name: str, revision: str | None) -> str:
+    """The folder of a Hub dataset's files in the Hugging Face cache (`hf download --repo-type dataset NAME` puts them
+    there), for datasets' offline mode, which reads only the caches it prepared itself; the original error where the
+    cache has none."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, repo_type="dataset", revision=revision, local_files_only=True)
+    except Exception:  # not cached: the Hub's own error (above) says it
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub, and the Hugging Face cache has no copy") from None
+
+
+def splits_of(cfg: DataConfig):
+    return _load(where(cfg), cfg.revision, tuple(sorted((key, str(value)) for key, value in cfg.args.items())))
+
+
+def evaluation_split(cfg: DataConfig) -> str | None:
+    """The split evaluation reads: data.eval_split, else the first of EVALUATION_SPLITS there; None: the training
+    split's held-out part (data.val_fraction)."""
+    splits = splits_of(cfg)
+    if cfg.eval_split is not None:
+        if cfg.eval_split not in splits:
+            raise UserError(f"data.eval_split={cfg.eval_split}: data.name={cfg.name} has the splits "
+                            f"{', '.join(splits)}")
+        return cfg.eval_split
+    found = next((name for name in EVALUATION_SPLITS if name in splits), None)
+    if found is None and not cfg.val_fraction:
+        raise UserError(f"data.name={cfg.name} has no evaluation split (its splits: {', '.join(splits)}); set "
+                        "data.val_fraction (e.g. 0.1) to hold out that part of its training split for evaluation, or "
+                        "data.eval_split=NAME")
+    return found
+
+
+def holds_out_evaluation(cfg: DataConfig) -> bool:
+    """Whether data.val_fraction made the evaluation split (the dataset has none): then there is no other
+    validation split to hold out."""
+    return evaluation_split(cfg) is None
+
+
+def columns(cfg: DataConfig, split) -> tuple[str, str | None]:
+    """(image column, label column) of a split: named by data.image_column / data.label_column, else the one of the
+    Image feature type and the one of the ClassLabel type (None: a dataset without labels by class)."""
+    import datasets
+
+    features = split.features
+
+    def one(key: str, given: str | None, kind: type) -> str | None:
+        if given is not None:
+            if given not in features:
+                raise UserError(f"data.{key}={given}: data.name={cfg.name} has the columns {', '.join(features)}")
+            return given
+        found = [name for name, feature in features.items() if isinstance(feature, kind)]
+        if len(found) == 1:
+            return found[0]
+        if key == "label_column" and not found:
+            return None
+        described = f"the columns {', '.join(found)} are" if found else "no column is"
+        raise UserError(f"data.name={cfg.name}: {described} of the {kind.__name__} type; name the one to use with "
+                        f"data.{key}=NAME (its columns: {', '.join(features)})")
+
+    image = one("image_column", cfg.image_column, datasets.Image)
+    label = one("label_column", cfg.label_column, datasets.ClassLabel)
+    if label is None and "label" in features:
+        label = "label"
+    if label is None:
+        raise UserError(f"data.name={cfg.name}: no column of labels (ClassLabel, or one named label); name it with "
+                        f"data.label_column=NAME (its columns: {', '.join(features)})")
+    return image, label
+
+
+class HubImages(Dataset):
+    """A split's (image, label) samples: the image from the Arrow bytes into a uint8 tensor, then `transform`."""
+
+    def __init__(self, split, image_column: str, label_column: str, transform, name: str) -> None:
+        import datasets
+
+        self.rows = split.select_columns([image_column, label_column]).cast_column(image_column,
+                                                                                   datasets.Image(decode=False))
+        self.image_column, self.label_column, self.transform, self.name = image_column, label_column, transform, name
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def encoded(self, index: int) -> tuple[bytes, str]:
+        """Sample `index`'s image bytes as stored, and its name for a line about it."""
+        image = self.rows[index][self.image_column]
+        name = f"{self.name} sample {index}" + (f" ({image['path']})" if image.get("path") else "")
+        if image.get("bytes") is not None:
+            return image["bytes"], name
+        try:  # a dataset of image files keeps their paths
+            return Path(image["path"]).read_bytes(), name
+        except (OSError, TypeError) as err:
+            raise UnreadableFileError(f"hf: cannot read {name} ({err})") from None
+
+    def label(self, index: int) -> int:
+        return int(self.rows[index][self.label_column])
+
+    def __getitem__(self, index: int):
+        data, name = self.encoded(index)
+        image = decode_image_bytes(data, name, "hf")
+        return (self.transform(image) if self.transform is not None else image), self.label(index)
+
+
+def hub_dataset(cfg: DataConfig, train: bool, classes: list[str] | None = None) -> Data:
+    """The training split (or the evaluation split, labelled by `classes`: the run's, else the training split's
+    ClassLabel names) of data.name=hf:..."""
+    splits = splits_of(cfg)
+    if cfg.train_split not in splits:
+        raise UserError(f"data.train_split={cfg.train_split}: data.name={cfg.name} has the splits {', '.join(splits)}")
+    train_rows = splits[cfg.train_split]
+    evaluated = evaluation_split(cfg)
+    rows = train_rows if train or evaluated is None else splits[evaluated]
+    image, label = columns(cfg, rows)
+    names = class_names(rows, label)
+    size = cfg.image_size or 224
+    split_name = cfg.train_split if train or evaluated is None else evaluated
+    dataset = HubImages(rows, image, label, imagefolder_transform(cfg, train), f"{cfg.name} {split_name}")
+    dataset.draws_from = augment_draws(augments(cfg, train))  # KeyedSamples seeds what they draw from
+    if evaluated is None:  # no evaluation split: data.val_fraction of the training split is held out for it
+        held, kept = held_out(len(train_rows), cfg.val_fraction)
+        dataset = Subset(dataset, held if not train else kept)
+    limit = cfg.train_subset if train else cfg.eval_subset
+    if limit is not None:
+        dataset = Subset(dataset, range(min(limit, len(dataset))))
+    num_classes = cfg.num_classes or (len(names) if names else None)
+    if num_classes is None:
+        raise UserError(f"data.name={cfg.name}: its label column {label} names no classes (not a ClassLabel); set "
+                        "data.num_classes")
+    data = Data(dataset, num_classes, (3, size, size), names, finish=imagefolder_finish(cfg))
+    if train:
+        return data
+    return labelled_by(data, classes or class_names(train_rows, columns(cfg, train_rows)[1]),
+                       f"data.name={cfg.name}: the {evaluated or 'held-out'} split")
+
+
+def class_names(rows, label: str) -> list[str] | None:
+    import datasets
+
+    feature = rows.features[label]
+    return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+
+
+def held_out(count: int, fraction: float) -> tuple[list[int], list[int]]:
+    """(held out, kept) indices of a training split of `count` samples: `fraction` of them drawn by HOLD_OUT_SEED,
+    each list in order."""
+    held = round(count * fraction)
+    if not 0 < held < count:
+        raise UserError(f"data.val_fraction={fraction} holds out {held} of the {count} training samples; choose a "
+                        "fraction that leaves samples in both splits")
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(HOLD_OUT_SEED))
+    return order[:held].sort().values.tolist(), order[held:].sort().values.tolist()
+
+
+def check_hub_data(cfg: DataConfig) -> None:
+    """Before any data loads: datasets is there (a dependency), and the name names something."""
+    if not where(cfg):
+        raise UserError("data.name=hf: names no dataset; give a Hub name (hf:beans), a local folder (hf:./my_data) or "
+                        "a save_to_disk folder")
