@@ -209,7 +209,7 @@ def test_an_hf_dataset_finds_its_columns_by_type_and_labels_its_evaluation_split
     datasets.DatasetDict(train=train["train"], validation=reordered["validation"]).save_to_disk(str(tmp_path / "d"))
     cfg = load_config("imagefolder", [f"data.name=hf:{tmp_path / 'd'}", "data.image_size=8"]).data
 
-    training, evaluation = build_dataset(cfg, train=True), build_dataset(cfg, train=False, classes=list(COLOURS))
+    training, evaluation = build_dataset(cfg, train=True), build_dataset(cfg, train=False)  # by the train split's
 
     assert training.classes == evaluation.classes == list(COLOURS) and training.num_classes == 3
     assert [int(evaluation.dataset[index][1]) for index in range(2)] == [2, 0]  # red, blue by name
