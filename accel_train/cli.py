@@ -41,6 +41,8 @@ accel-train bench --shards URL [RECIPE] [KEY=VALUE ...]  shards in a store (cold
                                                          webdataset's loader, same images
 accel-train bench --saves [--saves-into URL] [RECIPE]    what a checkpoint save blocks: in the background vs
                                                          synchronous (a local folder, or URL)
+accel-train bench --hub [RECIPE] [KEY=VALUE ...]         accel-train against Hugging Face's example loop, same hf:
+                                                         model and data
 accel-train bench --input [data.root=FOLDER]             images/s per core from image files: decoding alone,
                                                          torchvision's recipe, ours, our shards, webdataset
 accel-train --version                                    versions of accel-train, torch, torchvision, accelerate;
@@ -162,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--input", action="store_true", help="instead: images/s per CPU core of each way to feed a "
                        "step from image files (decoding alone, torchvision's recipe, ours, shards, webdataset), at one "
                        "core and all; recipe imagefolder, data.root=FOLDER or a folder of photographs made here")
+    bench.add_argument("--hub", action="store_true", help="instead: accel-train against Hugging Face's own Accelerate "
+                       "example loop (run_image_classification_no_trainer.py) on the same hf: model and data, batch "
+                       "and workers; without names, a ResNet-18-shaped model on photographs made here")
     bench.add_argument("--demand", type=float, metavar="IMAGES_PER_S", help="with --input: the images/s a GPU takes, "
                        "for the cores-per-GPU column (default 2470: ResNet-50, 224 px, mixed precision, one A100)")
     bench.add_argument("--overhead", action="store_true", help="only the overhead row: our loop against a plain "
@@ -365,7 +370,7 @@ def _run(args: argparse.Namespace) -> None:
         if recipe is not None and "=" in recipe:  # only overrides given: they are not a recipe name
             recipe, overrides = None, [recipe, *overrides]
         # each bench's own default recipe where none is named
-        recipe = recipe or ("cifar10_resnet50" if args.saves else "imagefolder" if args.input
+        recipe = recipe or ("cifar10_resnet50" if args.saves else "imagefolder" if args.input or args.hub
                             else "fashion_mnist_cnn" if args.shards else "fashion_mnist_fast")
         if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
             raise UserError("bench: --steps and --processes must be 1 or more")
@@ -388,6 +393,11 @@ def _run(args: argparse.Namespace) -> None:
             from accel_train.tools.bench_saves import run_saves_bench
 
             run_saves_bench(recipe, overrides, args.saves_into)
+            return
+        if args.hub:
+            from accel_train.tools.bench_hub import run_hub_bench
+
+            run_hub_bench(recipe, overrides, args.steps, rounds=1 if args.quick else 2)
             return
         if args.input:
             from accel_train.tools.bench_input import run_input_bench

@@ -12,6 +12,7 @@ tree's. A dataset without an evaluation split holds out data.val_fraction of its
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def where(cfg: DataConfig) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(name: str, revision: str | None, args: tuple):
+def _load(name: str, revision: str | None, args_json: str):
     """The dataset's splits (a DatasetDict), as `datasets` loads them: its cache prepared once a machine (set-up
     builds the data on each machine's main process first)."""
     import datasets
@@ -47,9 +48,9 @@ def _load(name: str, revision: str | None, args: tuple):
             loaded = datasets.load_from_disk(str(folder))
         else:
             try:
-                loaded = datasets.load_dataset(name, revision=revision, **dict(args))
+                loaded = datasets.load_dataset(name, revision=revision, **json.loads(args_json))
             except ConnectionError:
-                loaded = datasets.load_dataset(cached_snapshot(name, revision), **dict(args))
+                loaded = datasets.load_dataset(cached_snapshot(name, revision), **json.loads(args_json))
     except (ConnectionError, FileNotFoundError, OSError) as err:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataNotFoundError(f"data.name=hf:{name}: cannot load it ({text}); offline (HF_HUB_OFFLINE=1) it must be "
@@ -73,7 +74,8 @@ def cached_snapshot(name: str, revision: str | None) -> str:
 
 
 def splits_of(cfg: DataConfig):
-    return _load(where(cfg), cfg.revision, tuple(sorted((key, str(value)) for key, value in cfg.args.items())))
+    """The dataset's splits, loaded once a process for the same name, revision and data.args."""
+    return _load(where(cfg), cfg.revision, json.dumps(cfg.args, sort_keys=True))
 
 
 def evaluation_split(cfg: DataConfig) -> str | None:

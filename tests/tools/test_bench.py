@@ -154,3 +154,22 @@ def test_the_overhead_run_on_synthetic_data_is_one_epoch_so_no_evaluation_or_che
     assert [line["step"] for line in read_metrics(run, "train")] == [2, 4, 6, 8]
     evaluated = [line["step"] for split in ("val", "test") for line in read_metrics(run, split)]
     assert evaluated and set(evaluated) == {8}, evaluated  # at the run's end only
+
+
+@pytest.mark.processes  # machine_info: platform.processor() runs uname -p
+def test_bench_hub_times_hugging_faces_example_loop_and_ours_on_the_same_model_and_data(tmp_path, capsys):
+    """The numbers are not judged (docs/performance.md has them); both loops run, on the same hf: model and data."""
+    from accel_train import cli
+    from support.hub import COLOURS, as_parquet_repository, colour_dataset, tiny_vit
+
+    model = tiny_vit(tmp_path / "vit", list(COLOURS))
+    data = as_parquet_repository(colour_dataset({"train": (tuple(COLOURS), 8), "validation": (("red",), 2)}),
+                                 tmp_path / "data")
+    cli.main(["bench", "--hub", "--quick", "--steps", "1", f"model.name=hf:{model}", f"data.name=hf:{data}",
+              "train.batch_size=4", "data.num_workers=0", f"output_dir={tmp_path / 'bench'}"])
+
+    result = json.loads((tmp_path / "bench" / "bench_hub.json").read_text())
+    assert result["ours_samples_per_s"] > 0 and result["example_samples_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["ours_samples_per_s"] / result["example_samples_per_s"])
+    assert (result["model"], result["data"], result["image_size"]) == (f"hf:{model}", f"hf:{data}", 16)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("bench --hub: accel-train ")
