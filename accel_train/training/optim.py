@@ -11,10 +11,14 @@ from torch.optim.lr_scheduler import LRScheduler
 from accel_train.config import TrainConfig
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, sharded: bool = False) -> torch.optim.Optimizer:
     """The fused implementation: one kernel per step, and it applies the non-finite guard's decision on the
-    device (`found_inf`, as GradScaler uses it), so no step waits for the host to read a flag."""
+    device (`found_inf`, as GradScaler uses it), so no step waits for the host to read a flag. `sharded` (FSDP):
+    SGD's fused kernel has no rule for sharded parameters (DTensor), so its for-each implementation steps them, and
+    the guard reads its decision on the host."""
     groups = parameter_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
+    if cfg.optimizer == "sgd" and sharded:
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
     if cfg.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
         if cfg.momentum:

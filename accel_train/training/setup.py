@@ -132,7 +132,7 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
     if accumulation is None and not sharded:
         accumulation = fit_micro_batch(config, accelerator, task, model, train_data)
     model = compile_model(model, config.train.compile)
-    optimizer = build_optimizer(config.train, model)
+    optimizer = build_optimizer(config.train, model, sharded)
     prepared_first = accumulation is None
     if prepared_first:  # FSDP prepares (shards) the model with its optimizer
         model, optimizer = accelerator.prepare(model, optimizer)

@@ -66,3 +66,32 @@ def test_a_checkpoint_of_2_processes_mid_epoch_continues_at_3_like_the_uninterru
     uninterrupted = [line["loss"] for line in read_metrics(hub_run[2], "train")]
     assert [line["loss"] for line in lines] == pytest.approx(uninterrupted, rel=1e-5)
     assert (hub_run["2 then 3"] / "model.safetensors").is_file()  # the resumed run's own export
+
+
+@pytest.fixture(scope="module")
+def hub_args(hub_run):
+    """The arguments of hub_run's runs (its model and data folders beside them)."""
+    root = hub_run[1].parent
+    return [*RUN, f"model.name=hf:{root / 'vit'}", f"data.name=hf:{root / 'parquet'}", "data.eval_subset=7",
+            "train.max_steps=4"]
+
+
+def test_an_hf_model_under_the_fsdp_profile_trains_like_one_plain_process(hub_run, hub_args, tmp_path):
+    """Accelerate's FSDP2 prepare over a gloo group (tests/launched_probe.py's PROBE_FSDP_ON_CPU, as the FSDP
+    contract's tests take it on a CPU), the profile's full state dicts: the export is the plain model's."""
+    from support.locations import PROBE
+
+    launch(2, *hub_args, f"output_dir={tmp_path / 'fsdp'}", profile="fsdp.yaml", script=PROBE,
+           launcher_args=("--mixed_precision", "no"), env={"PROBE_FSDP_ON_CPU": "1"}, timeout=300)
+    assert_weights_agree(hub_run[1], tmp_path / "fsdp")
+
+
+def test_an_hf_model_with_an_automatic_micro_batch_and_compiled_trains_like_the_plain_run(hub_run, hub_args, tmp_path):
+    """train.micro_batch_size=auto (the largest that fits, accumulated to the same global batch) and train.compile:
+    the same training, the same names in the exported weights."""
+    from support.commands import train_in_process
+
+    arguments = [argument for argument in hub_args[2:] if not argument.startswith("data.num_workers")]
+    train_in_process("imagefolder", *arguments, "data.num_workers=0", "train.micro_batch_size=auto",
+                     "train.compile=true", f"output_dir={tmp_path / 'auto'}")
+    assert_weights_agree(hub_run[1], tmp_path / "auto", tolerance=1e-4)  # compiled kernels round otherwise
