@@ -51,10 +51,10 @@ def loading(cfg: ModelConfig, what: str = "loading it"):
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         from huggingface_hub.constants import HF_HUB_CACHE
 
-        raise DataNotFoundError(f"model.name={cfg.name}: {what} failed: {repository(cfg)} is neither a local folder "
-                                f"with a config.json nor in the Hugging Face cache ({HF_HUB_CACHE}), and the Hub did "
-                                f"not answer ({text[:200]}); download it where the Hub is reachable (HF_HOME sets the "
-                                "cache), or give a local folder") from None
+        raise DataNotFoundError(f"model.name={cfg.name}: {what} failed ({text[:200]}): a Hub repository must be in "
+                                f"the Hugging Face cache ({HF_HUB_CACHE}; HF_HOME sets it) or downloadable, a local "
+                                "folder must hold what save_pretrained writes (config.json, model.safetensors)"
+                                ) from None
     except ValueError as err:
         if "trust_remote_code" in str(err):
             raise UserError(f"model.name={cfg.name}: the repository ships Python code of its own (auto_map), which "
