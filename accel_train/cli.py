@@ -41,6 +41,7 @@ accel-train bench --shards URL [RECIPE] [KEY=VALUE ...]  shards in a store (cold
                                                          webdataset's loader, same images
 accel-train bench --saves [--saves-into URL] [RECIPE]    what a checkpoint save blocks: in the background vs
                                                          synchronous (a local folder, or URL)
+accel-train bench --dropout [--quick]                    dropout keyed by sample against torch's: samples/s
 accel-train bench --hub [RECIPE] [KEY=VALUE ...]         accel-train against Hugging Face's example loop, same hf:
                                                          model and data
 accel-train bench --input [data.root=FOLDER]             images/s per core from image files: decoding alone,
@@ -167,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--hub", action="store_true", help="instead: accel-train against Hugging Face's own Accelerate "
                        "example loop (run_image_classification_no_trainer.py) on the same hf: model and data, batch "
                        "and workers; without names, a ResNet-18-shaped model on photographs made here")
+    bench.add_argument("--dropout", action="store_true", help="instead: training samples/s with dropout keyed by "
+                       "sample against torch's own, on the demo CNN and ViT-B-sized blocks, eager and compiled")
     bench.add_argument("--demand", type=float, metavar="IMAGES_PER_S", help="with --input: the images/s a GPU takes, "
                        "for the cores-per-GPU column (default 2470: ResNet-50, 224 px, mixed precision, one A100)")
     bench.add_argument("--overhead", action="store_true", help="only the overhead row: our loop against a plain "
@@ -393,6 +396,12 @@ def _run(args: argparse.Namespace) -> None:
             from accel_train.tools.bench_saves import run_saves_bench
 
             run_saves_bench(recipe, overrides, args.saves_into)
+            return
+        if args.dropout:
+            from accel_train.tools.bench_dropout import run_dropout_bench
+
+            run_dropout_bench(load_config(recipe, ["output_dir=runs/bench_dropout", *overrides]).output_dir,
+                              args.steps, args.quick)
             return
         if args.hub:
             from accel_train.tools.bench_hub import run_hub_bench

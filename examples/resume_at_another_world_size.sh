@@ -8,8 +8,8 @@
 #
 # PROFILE (default: the shipped multi_gpu profile, which forms a gloo group on CPUs), STOP_AFTER_STEP (default 300:
 # 100 steps into the second of 2 epochs of 200) and LAUNCH_TARGET (default: -m accel_train; a script that wraps the
-# CLI instead, as the test suite's tests/launched_probe.py does) may be set in the environment. The model has no
-# dropout: dropout masks are drawn per process and cannot be the same at another world size.
+# CLI instead, as the test suite's tests/launched_probe.py does) may be set in the environment. The model's dropout
+# is keyed by sample (train.keyed_dropout), so its masks are the same at any world size.
 set -euo pipefail
 
 root=${1:-runs/world_size}
@@ -17,7 +17,7 @@ shift || true
 profile=${PROFILE:-$(accel-train profile multi_gpu)}
 stop_after=${STOP_AFTER_STEP:-300}
 read -r -a target <<< "${LAUNCH_TARGET:--m accel_train}"
-run=(fashion_mnist_cnn model.dropout=false train.batch_size=96 data.train_subset=19200 train.epochs=2
+run=(fashion_mnist_cnn train.batch_size=96 data.train_subset=19200 train.epochs=2
      train.log_every_steps=25 checkpoint.at_epoch_end=false train.plot=false "$@")
 rm -rf "$root"
 

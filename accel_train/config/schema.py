@@ -176,6 +176,9 @@ class TrainConfig:
     lr_scale: Literal["linear", "sqrt"] = doc("how lr_base scales with the global batch: linear, lr = lr_base x "
                                               "batch_size / lr_base_batch; sqrt, lr = lr_base x sqrt(batch_size / "
                                               "lr_base_batch)", default="linear")
+    keyed_dropout: bool = doc("a training sample's dropout masks a function of (seed, step, its index, the layer), "
+                              "the same at any world size, micro-batch and resume (false: torch's masks, drawn per "
+                              "process)", default=True)
     optimizer: Literal["adamw", "adam", "sgd"] = doc("optimizer", default="adamw")
     weight_decay: float = doc("decoupled weight decay (adamw) or L2 penalty (adam, sgd)",
                               default=0.01, within=NON_NEGATIVE)

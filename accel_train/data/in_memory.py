@@ -32,6 +32,7 @@ class InMemoryImages(Dataset):
         self.std = torch.tensor(std).view(1, -1, 1, 1)
         self.augment, self.size = augment, size
         self.seed = self.epoch = 0  # augmentation of a sample is a function of (seed, epoch, its index)
+        self.indices_with_samples = False  # each batch's sample indices last (dropout keyed by sample)
 
     def set_epoch(self, epoch: int, seed: int | None = None) -> None:
         """Called by start_epoch, and by Accelerate (epoch only) for loaders whose sampler has no set_epoch."""
@@ -65,7 +66,8 @@ class InMemoryImages(Dataset):
         images = self.images[index]
         if self.augment:  # on uint8: a quarter of the memory traffic of augmenting floats, same result
             images = random_crop_flip(images, pad_for(images.shape[-1]), sample_keys(index, self.epoch, self.seed))
-        return to_model_input(images, self.size, self.mean, self.std), self.labels[index]
+        made = to_model_input(images, self.size, self.mean, self.std), self.labels[index]
+        return (*made, index) if self.indices_with_samples else made
 
 
 def to_model_input(images: torch.Tensor, size: int | None, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,12 @@ class KeyedSamples(Dataset):
     """
 
     def __init__(self, samples: Dataset, draws_from: frozenset[str] = EVERY_GENERATOR,
-                 keys_with_samples: bool = False) -> None:
+                 keys_with_samples: bool = False, indices_with_samples: bool = False) -> None:
         self.samples = samples
         # Each sample's key after its fields, for a dataset whose augmentation runs where the batch is, by its key
         self.keys_with_samples = keys_with_samples
+        # Each sample's index last, for dropout keyed by sample (training/dropout.py)
+        self.indices_with_samples = indices_with_samples
         # The generators seeded: where the dataset says its transforms draw from fewer (ours draw from torch's
         # alone, and nothing when they do not augment), the others cost nothing (numpy's is half the seeding time)
         self.draws_from = frozenset(draws_from)
@@ -66,6 +68,11 @@ class KeyedSamples(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> list:
+        samples = self._samples(indices)
+        return [with_index(sample, index) for sample, index in zip(samples, indices)] if self.indices_with_samples \
+            else samples
+
+    def _samples(self, indices: list[int]) -> list:
         # A batch at a time (the DataLoader's fetcher calls this), so the states are saved and put back once a batch;
         # each sample still comes from the dataset's own __getitem__ and its own key, even where the dataset could
         # fetch a whole batch (a Hugging Face datasets.Dataset).
@@ -87,6 +94,25 @@ class KeyedSamples(Dataset):
         finally:
             for name, state in saved.items():
                 _STATES[name][1](state)
+
+
+SAMPLE_INDEX = "accel_train.sample_index"  # a mapping sample's entry for its index (tuples carry it last)
+
+
+def with_index(sample, index: int):
+    """A sample with its index in the dataset beside its own fields: last in a tuple, under SAMPLE_INDEX in a
+    mapping."""
+    if isinstance(sample, dict):
+        return {**sample, SAMPLE_INDEX: index}
+    return (*sample, index) if isinstance(sample, (tuple, list)) else (sample, index)
+
+
+def without_index(batch):
+    """(the batch as the dataset made it, its samples' indices): the inverse of with_index on a collated batch."""
+    if isinstance(batch, dict):
+        return {key: value for key, value in batch.items() if key != SAMPLE_INDEX}, batch[SAMPLE_INDEX]
+    *fields, indices = batch
+    return (type(batch)(fields) if isinstance(batch, tuple) else list(fields)), indices
 
 
 def seed_generators(key: int, generators: frozenset[str] = EVERY_GENERATOR) -> None:

@@ -59,9 +59,10 @@ def slow_input_advice(cfg: DataConfig, data: Data) -> str:
 
 
 def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, device: torch.device,
-                accumulation: int = 1) -> DataLoader:
+                accumulation: int = 1, sample_indices: bool = False) -> DataLoader:
     """A loader over GLOBAL batches, or over their `accumulation` equal micro-batches; Accelerate's prepare
-    (split_batches) hands each process its slice."""
+    (split_batches) hands each process its slice. `sample_indices`: each batch carries its samples' indices in the
+    dataset last (data/keyed.py's with_index), for dropout keyed by sample."""
     if train and len(data.dataset) < global_batch:
         raise UserError(f"the training set has {len(data.dataset)} samples, fewer than "
                         f"train.batch_size={global_batch}; "
@@ -74,7 +75,9 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
     dataset, step_batch, global_batch = data.dataset, global_batch, global_batch // accumulation
     if data.in_memory:
         if cfg.on_device:  # no workers: a batch is a few kernels on the device, not per-image Python
-            return DataLoader(dataset.to(device), batch_size=global_batch, shuffle=train, drop_last=train,
+            served = dataset.to(device)
+            served.indices_with_samples = sample_indices
+            return DataLoader(served, batch_size=global_batch, shuffle=train, drop_last=train,
                               collate_fn=keep_batch, generator=generator)
         dataset = PerSampleImages(dataset, cfg.trivial_augment, cfg.random_erasing)
     workers = dataloader_workers(cfg.num_workers)
@@ -90,14 +93,16 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
         order = ShardOrder(shard_of, shards, 0, cfg.shuffle_window_shards, cfg.streams, step_batch)
         order.prefetcher = Prefetcher(dataset, min(int(cfg.cache_gb * 1e9) // 4, 2 * 2**30))
         order.on_batch = order.prefetcher.reached
-        return DataLoader(keyed(dataset), sampler=order, drop_last=True, **serving)
-    return DataLoader(keyed(dataset), shuffle=train, drop_last=train, **serving)
+        return DataLoader(keyed(dataset, sample_indices), sampler=order, drop_last=True, **serving)
+    return DataLoader(keyed(dataset, sample_indices), shuffle=train, drop_last=train, **serving)
 
 
-def keyed(dataset) -> KeyedSamples:
+def keyed(dataset, sample_indices: bool = False) -> KeyedSamples:
     """`dataset`'s samples, each drawing by its key: seeded as draws_from says, or carrying its key to a finish that
-    augments the batch on the device (`augments_on_device`: shards of the registry's raw pixels)."""
-    return KeyedSamples(dataset, draws_from(dataset), getattr(under_subsets(dataset)[0], "augments_on_device", False))
+    augments the batch on the device (`augments_on_device`: shards of the registry's raw pixels); and its index,
+    where `sample_indices`."""
+    return KeyedSamples(dataset, draws_from(dataset), getattr(under_subsets(dataset)[0], "augments_on_device", False),
+                        sample_indices)
 
 
 def draws_from(dataset) -> frozenset[str]:

@@ -194,7 +194,14 @@ def check_random_states(folder: Path, process: int, meta: dict) -> None:
     if process >= meta["world_size"]:
         return
     name = f"{RNG_STATE_NAME}_{process}.pkl"
-    states = accelerate_load(folder / name)
+    try:
+        states = accelerate_load(folder / name)
+    except Exception as err:
+        if is_damage(err) or "GLOBAL" in str(err) or isinstance(err, (PermissionError, ImportError)):
+            raise
+        # bytes that are no zip fall to torch's legacy unpickler, whose garbage errors are any kind (IndexError...)
+        raise Damaged(f"{name} does not load ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                      ) from err
     if not isinstance(states, dict) or any(key not in states for key in RANDOM_STATES):
         raise Damaged(f"{name} holds no random states")
 

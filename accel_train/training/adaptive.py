@@ -33,6 +33,7 @@ from accel_train.distributed.collectives import average_gradients, processes_whe
 from accel_train.errors import UserError
 from accel_train.run.summaries import named_processes
 from accel_train.state import Observer, State
+from accel_train.training.dropout import DropoutKeys
 from accel_train.training.memory import SMALLER_MODEL, ran_out_of_memory
 from accel_train.training.steps import StepTerms, eval_outputs, training_terms
 
@@ -94,9 +95,10 @@ class AdaptiveStep:
     observers told of each halving; the gradients averaged over the processes once none ran out. Returns the step's
     terms, as StepTerms gives them."""
 
-    def __init__(self, accelerator: Accelerator, task, size: MicroBatchSize, observers: Observer, state: State) -> None:
+    def __init__(self, accelerator: Accelerator, task, size: MicroBatchSize, observers: Observer, state: State,
+                 dropout: DropoutKeys | None = None) -> None:
         self.accelerator, self.task, self.size = accelerator, task, size
-        self.observers, self.state = observers, state
+        self.observers, self.state, self.dropout = observers, state, dropout
         self.timeout_s = size.cfg.collective_timeout_s
 
     def __call__(self, model: torch.nn.Module, micro_batches) -> dict[str, torch.Tensor]:
@@ -126,14 +128,14 @@ class AdaptiveStep:
                 # step after the last); no_sync: not even the last micro-batch all-reduces in backward.
                 with accelerator.accumulate(model), accelerator.no_sync(model):
                     if micro >= size:
-                        terms = training_terms(self.task, model, batch, step)
+                        terms = training_terms(self.task, model, batch, step, self.dropout)
                         accelerator.backward(terms["loss"])
                     else:
                         terms = {}
                         for start in range(0, size, micro):
                             share = min(micro, size - start) / size  # of the micro-batch's mean
                             chunk = training_terms(self.task, model, slice_tensors(batch, slice(start, start + micro)),
-                                                   step)
+                                                   step, self.dropout)
                             accelerator.backward(chunk["loss"] * share)
                             for name, value in chunk.items():
                                 terms[name] = terms.get(name, 0) + value.detach() * share

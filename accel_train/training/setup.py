@@ -44,6 +44,7 @@ from accel_train.run.weights import initial_weights
 from accel_train.state import Observers, Progress, ResumePoint, State
 from accel_train.training.accumulation import accumulation_steps, fit_micro_batch
 from accel_train.training.adaptive import AdaptiveEval, AdaptiveStep, MicroBatchSize, halves_on_out_of_memory
+from accel_train.training.dropout import key_dropout
 from accel_train.training.ema import WeightsEMA
 from accel_train.training.guard import NonFiniteGuard
 from accel_train.training.meter import TrainMeter
@@ -126,6 +127,8 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
         initial_weights(model, config.model.init_from, f"model.name={config.model.name} on {config.data.name}")
     model = maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
     model = tune_for_device(model, config.train.channels_last)
+    # each sample's dropout masks a function of (seed, step, its index, the layer): the same at any world size
+    dropout = key_dropout(model, config.seed, accelerator) if config.train.keyed_dropout else None
     # micro_batch_size=auto: the largest micro-batch that fits, recorded in config.yaml; found before compiling (one
     # compilation, for the size found). Under FSDP each process holds a shard of the model: searched once it is.
     sharded = shards_gradients(accelerator)
@@ -140,7 +143,7 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
     accelerator.gradient_accumulation_steps = accumulation
     every = hooks.every()
     train_loader = make_loader(every.data_built(train_data, "train"), config.data, config.train.batch_size, True,
-                               accelerator.device, accumulation)
+                               accelerator.device, accumulation, sample_indices=bool(dropout and dropout.layers))
     eval_batch = round_up_to_world(config.train.eval_batch_size, accelerator)
     test_loader = make_loader(every.data_built(test_data, "test"), config.data, eval_batch, False, accelerator.device)
     val_loader = make_loader(every.data_built(val_data, "val"), config.data, eval_batch, False,
@@ -189,9 +192,10 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
     watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(place.folder), signals,
                         place.mirror.store_of(STUCK_DIR) if not place.shared else None)
     batches = TrainingBatches(accelerator, train_loader, task, config.seed, accumulation, progress, start,
-                              meter.timed, watchdog.mark, train_data.finish)
-    step = AdaptiveStep(accelerator, task, micro_batch_size, observers, state) if adapts \
-        else PlainStep(accelerator, task, config.train, progress)
+                              meter.timed, watchdog.mark, train_data.finish,
+                              sample_indices=bool(dropout and dropout.layers))
+    step = AdaptiveStep(accelerator, task, micro_batch_size, observers, state, dropout) if adapts \
+        else PlainStep(accelerator, task, config.train, progress, dropout)
     return Run(config=config, task=task, accelerator=accelerator, model=model, optimizer=optimizer,
                scheduler=scheduler, batches=batches, step=step, selecting_loader=val_loader or test_loader,
                selecting_split=selecting_split, test_loader=test_loader if val_loader is not None else None,

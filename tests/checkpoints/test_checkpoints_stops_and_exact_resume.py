@@ -52,9 +52,11 @@ from support.runs import (
 
 STEPS_PER_EPOCH, TOTAL_STEPS = 10, 30
 WEIGHTS = ("model.safetensors", "model_ema.safetensors")
+# torch's own dropout masks (train.keyed_dropout=false), drawn from each process's stream: exact resume then needs
+# every process's random state restored, the harder case (keyed masks need none: their own contract tests)
 RUN = ["train", "mnist_cnn", "data.synthetic=true", "data.augment=true", "data.train_subset=240", "data.eval_subset=50",
        "train.batch_size=24", "train.epochs=3", "train.log_every_steps=3", "train.ema_decay=0.9",
-       "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0",
+       "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0", "train.keyed_dropout=false",
        "checkpoint.every_steps=4", "checkpoint.keep_last=2", "checkpoint.best_metric=accuracy", "train.plot=false"]
 
 
@@ -72,8 +74,9 @@ def reference_records(reference):
 
 
 def test_dropout_draws_differ_per_process(reference_records):
-    # Each process reseeds with its rank after prepare: the same random state on both would draw the same
-    # masks on every process and halve dropout's effect.
+    # Each process reseeds with its rank after prepare: the same random state on both would draw the same masks
+    # wherever torch's streams draw them (train.keyed_dropout=false, dropout a model draws in its forward), and halve
+    # dropout's effect.
     states = [records["dropout"] for records in reference_records]
     assert len(states[0]) == len(states[1]) == TOTAL_STEPS and len(set(states[0])) == TOTAL_STEPS
     assert all(ours != theirs for ours, theirs in zip(*states))

@@ -12,7 +12,7 @@ what each process read and applied per run (PROBE_DIR_PER_RUN): uninterrupted at
 script's SIGTERM to the launcher once step 4's line is written, which every process waits for after step 5
 (PROBE_WAIT_FOR_SIGNAL) and agrees on at that step's evaluation (train.eval_every_steps=5; step 4 is no evaluation,
 so no agreement comes between), so the stop falls at a known step; continued at 3 and, from a copy, at 1. The model
-has neither dropout nor BatchNorm (the per-process parts that cannot be the same across world sizes).
+has dropout (keyed by sample: the same masks at any world size) and no BatchNorm (per-process statistics).
 train.micro_batch_size=4 makes the accumulation steps differ at every world size (3 at 2 processes, 2 at 3, 6 at 1);
 train lines every 4 steps put the stop (step 5 of the 6 of epoch 0) in the middle of a line, so the first line after
 the resume averages steps of the old processes and of the new ones; and Accelerate counted 15 micro-batches into the

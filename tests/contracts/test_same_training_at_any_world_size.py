@@ -22,7 +22,7 @@ STEPS_PER_EPOCH, EPOCHS = 3, 2
 # test samples (and 19 validation samples) split evenly across neither 2 nor 3 processes: these runs are also
 # the uneven-size cases at 1, 2 and 3 processes. MixUp and CutMix are on: mixing is the same at any world size.
 SAME_GLOBAL_BATCH = ["mnist_cnn", "data.synthetic=true", "data.train_subset=96", "data.val_fraction=0.2",
-                     "data.eval_subset=101", "model.dropout=false", "train.batch_size=24", "train.eval_batch_size=50",
+                     "data.eval_subset=101", "train.batch_size=24", "train.eval_batch_size=50",
                      f"train.epochs={EPOCHS}", "train.schedule=cosine", "train.warmup_steps=2",
                      "train.log_every_steps=1", "train.mixup_alpha=0.4", "train.cutmix_alpha=1.0", "train.plot=false"]
 # 50 training samples leave 2 over a global batch of 24; 2 eval samples are fewer than the processes.

@@ -534,6 +534,12 @@ MUTATIONS = [
              '    return {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}',
              '    return {"revision": cfg.revision, "trust_remote_code": True}',
              ("tests/workloads/test_hub_models_and_datasets.py::test_a_repository_with_code_of_its_own_runs_it_only_with_trust_remote_code",)),
+    Mutation("keyed dropout's masks drawn from the process's stream (torch.rand), not from the sample keys",
+             "accel_train/training/dropout.py",
+             "        bits = keyed_bits(keys, self.dropout_keys.step, self.salt, per_sample)",
+             "        bits = torch.randint(-2**31, 2**31, (x.shape[0], per_sample), dtype=torch.int32, "
+             "device=x.device)",
+             ("tests/contracts/test_dropout_keyed_by_sample_trains_alike_everywhere.py::test_dropout_trains_alike_at_any_world_size_micro_batch_and_across_a_resume[ours:mnist_cnn]",)),
     Mutation("a Hub model's pickled weights loaded without model.allow_pickled_weights",
              "accel_train/workloads/hf_models.py", "use_safetensors=None if cfg.allow_pickled_weights else True",
              "use_safetensors=None",

@@ -179,9 +179,14 @@ class Run(hooks.Hooks):
 
             model.register_forward_pre_hook(count)
             model.register_comm_hook(None, all_reduced)
-        dropout = next((module for module in model.modules() if isinstance(module, torch.nn.Dropout)), None)
+        from accel_train.training.dropout import KeyedDropout
+
+        dropout = next((module for module in model.modules() if isinstance(module, (torch.nn.Dropout, KeyedDropout))),
+                       None)
         if dropout is not None:
-            def random_state(module, args):  # the state the mask is drawn from (the mask also depends on the input)
+            # the process's stream at the layer: torch's masks are drawn from it (train.keyed_dropout=false, or dropout
+            # a model draws in its forward), keyed ones are not
+            def random_state(module, args):
                 if module.training:
                     state = torch.cuda.get_rng_state() if args[0].is_cuda else torch.get_rng_state()
                     self.record["dropout"].append(hashlib.sha1(state.numpy().tobytes()).hexdigest())

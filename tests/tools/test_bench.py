@@ -173,3 +173,15 @@ def test_bench_hub_times_hugging_faces_example_loop_and_ours_on_the_same_model_a
     assert result["ratio"] == pytest.approx(result["ours_samples_per_s"] / result["example_samples_per_s"])
     assert (result["model"], result["data"], result["image_size"]) == (f"hf:{model}", f"hf:{data}", 16)
     assert capsys.readouterr().out.splitlines()[-1].startswith("bench --hub: accel-train ")
+
+
+@pytest.mark.processes  # machine_info: platform.processor() runs uname -p
+def test_bench_dropout_times_keyed_and_torchs_dropout_eager_and_compiled(tmp_path):
+    """The numbers are not judged (docs/performance.md has them): each row ran, keyed and torch's alike."""
+    from accel_train import cli
+
+    cli.main(["bench", "--dropout", "--quick", "--steps", "1", f"output_dir={tmp_path}"])
+    rows = json.loads((tmp_path / "bench_dropout.json").read_text())["rows"]
+    assert [(row["workload"].split(" (")[0], row["compiled"]) for row in rows] == [
+        ("demo CNN", False), ("demo CNN", True), ("ViT-B-sized blocks", False), ("ViT-B-sized blocks", True)]
+    assert all(row["keyed_samples_per_s"] > 0 and row["torch_samples_per_s"] > 0 for row in rows)

@@ -23,6 +23,27 @@ class TinyNet(nn.Module):
         return self.net(x)
 
 
+class DropoutNet(nn.Module):
+    """A user's net with dropout of every kind torch has (Dropout2d, AlphaDropout, Dropout) and, with `functional`,
+    dropout drawn inside its forward (F.dropout), which cannot be keyed by sample."""
+
+    def __init__(self, num_classes: int, image_shape: tuple, functional: float = 0.0) -> None:
+        super().__init__()
+        channels, height, width = image_shape
+        self.features = nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1), nn.ReLU(), nn.Dropout2d(0.2),
+                                      nn.AvgPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * (height // 2) * (width // 2), 32), nn.SELU(),
+                                  nn.AlphaDropout(0.1), nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.3),
+                                  nn.Linear(32, num_classes))
+        self.functional = functional
+
+    def forward(self, x):
+        x = self.features(x)
+        if self.functional:
+            x = torch.nn.functional.dropout(x, self.functional, self.training)
+        return self.head(x)
+
+
 def zoo_model(model_name: str, **kwargs) -> nn.Module:
     """A zoo's factory (timm's create_model): a model by name, the rest of its keywords passed on to the model's
     constructor, which takes num_classes and no image_shape."""
