@@ -217,11 +217,13 @@ class Watchdog:
 
     def _watch(self) -> None:
         tick = min(1.0, self.bound / 10)
+        timed_from = None  # when the first step was seen ended: its last mark came before its long forward pass
         while not self._stop.wait(tick):
             last = self.last
             if last is None or self.progress.step == self.first_step:
                 continue
-            idle = time.monotonic() - last
+            timed_from = timed_from or time.monotonic()
+            idle = time.monotonic() - max(last, timed_from)
             if idle > self.bound:
                 self._report()
                 return

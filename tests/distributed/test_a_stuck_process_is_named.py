@@ -205,8 +205,9 @@ def train_paced(tmp_path, train_data: Paced, eval_data: Paced, *overrides: str, 
 class Ends(hooks.Hooks):
     """A stuck process's end, noted instead of ending this test's process; and a slow first checkpoint, if asked."""
 
-    def __init__(self, when_ended=None, first_save_s: float = 0.0) -> None:
+    def __init__(self, when_ended=None, first_save_s: float = 0.0, after_first_step_s: float = 0.0) -> None:
         self.ended, self.when_ended, self.first_save_s = [], when_ended, first_save_s
+        self.after_first_step_s = after_first_step_s
 
     def process_ends(self, code):
         self.ended.append(code)
@@ -216,6 +217,9 @@ class Ends(hooks.Hooks):
 
     def checkpoint_saving(self, progress):
         time.sleep(self.first_save_s if progress.step == 2 else 0)
+
+    def optimizer_stepped(self, progress, terms, skipped, lr):
+        time.sleep(self.after_first_step_s if progress.step == 1 else 0)
 
 
 def test_a_single_process_that_stops_names_itself_and_ends_with_exit_6(tmp_path, capsys):
@@ -242,8 +246,10 @@ def test_a_single_process_that_stops_names_itself_and_ends_with_exit_6(tmp_path,
 
 def test_a_long_evaluation_checkpoint_save_or_first_step_is_not_taken_for_a_stuck_process(tmp_path):
     # Each lasts 1.2 s, past train.stuck_after_s=0.8: the evaluation in batches that keep coming, the save and the
-    # first step of the start untimed. Steps: 2 an epoch, 2 epochs, an evaluation and a save after each.
-    ends = Ends(first_save_s=1.2)
+    # first step of the start untimed. Steps: 2 an epoch, 2 epochs, an evaluation and a save after each. The time
+    # between the first step's end and the next micro-batch (0.3 s here, a log line or a hook) is timed from that
+    # end, not from the first step's micro-batch, which came before its long forward pass.
+    ends = Ends(first_save_s=1.2, after_first_step_s=0.3)
     eval_data = Paced(20, 1, pause=lambda call: 0.12 if call <= 20 else 0.0)  # the first evaluation: 10 batches
     with hooks.added(ends):
         metrics = train_paced(tmp_path, Paced(24, 0), eval_data, "train.epochs=2", "train.eval_batch_size=2",
