@@ -18,7 +18,8 @@ datasets) take the place of the names the recipe gives; config.yaml records them
 Mistakes raise `accel_train.UserError` with the one line the command line would print.
 
 The command line calls these same functions: `train`, and for eval and predict `run_config` (the checks, before
-torch loads), then `evaluate_run` / `predict_run`. The checks before training run once, in `check_training`.
+torch loads), then `evaluate_run` / `predict_run`. The checks before training run once, in `check_before_opening` and
+`check_training`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from accel_train.run.layout import (
     run_of,
     weights_folder,
 )
-from accel_train.run.location import RunPlace, readable_run, run_folder_patience
+from accel_train.run.place import RunPlace, run_folder_patience
+from accel_train.run.read_cache import readable_run
 from accel_train.run.resume import check_resume
 from accel_train.run.tracking import tracker_names
 from accel_train.storage import check_url_form, is_remote
@@ -73,24 +75,30 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
         raise UserError("train_dataset and eval_dataset: give both, or neither (the recipe's data.name is used)")
-    place = RunPlace(config.output_dir)  # where the run folder lives: made once, handed to whoever needs it
+    trackers = check_before_opening(config)
+    # where the run folder lives: made once, handed to whoever needs it (a URL: the store checked, staging pulled)
+    place = RunPlace.open(config.output_dir, run_folder_patience(config))
     with refusals_leave_no_folder(place):
-        task, trackers = check_training(config, place, task)
+        task = check_training(config, place, task)
         from accel_train.training import loop
 
         return loop.train(config, task, trackers, place, model=model, train_dataset=train_dataset,
                           eval_dataset=eval_dataset)
 
 
-def check_training(config: Config, place: RunPlace, task: Task | None = None) -> tuple[Task, list[str]]:
-    """Every check before training, once: first those that need no torch (trackers, the run folder, the checkpoint
-    to resume), so a mistake there answers at once; then the task's (the task `config.task` names when none is
-    given). Opens `place` (the run folder's, at output_dir). Returns the task and Accelerate's tracker names."""
+def check_before_opening(config: Config) -> list[str]:
+    """The checks before the run folder is opened (nothing read or made yet): no mistyped URL, trackers by name.
+    Returns Accelerate's tracker names."""
     for key, location in (("output_dir", config.output_dir), ("data.root", config.data.root),
                           ("model.init_from", config.model.init_from)):
         check_url_form(location, key)  # s3:/bucket would become a local folder named "s3:"
-    trackers = tracker_names(config.train.log_with)  # before check_output_dir creates the folder
-    place.open(run_folder_patience(config))  # a URL: the store checked, staging pulled from it
+    return tracker_names(config.train.log_with)
+
+
+def check_training(config: Config, place: RunPlace, task: Task | None = None) -> Task:
+    """Every check before training once the run folder's `place` is open (check_before_opening came before): first
+    those that need no torch (the run folder, the checkpoint to resume), so a mistake there answers at once; then the
+    task's (the task `config.task` names when none is given). Returns the task."""
     check_resume(config, place)  # before the folder is made
     if config.model.init_from:
         from accel_train.run.weights import weights_file
@@ -104,7 +112,7 @@ def check_training(config: Config, place: RunPlace, task: Task | None = None) ->
     task.check_config(config)
     check_mixing(task, config)
     check_selection_metrics(task, config)
-    return task, trackers
+    return task
 
 
 def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, overrides: Sequence[str] = (), *,

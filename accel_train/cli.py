@@ -481,7 +481,7 @@ def _show_runs(args: argparse.Namespace) -> None:
     """`runs` and `plot`: read run folders only (no torch)."""
     from accel_train.run import summaries as runs
     from accel_train.run.layout import CONFIG_FILE, CURVES_FILE, METRICS_FILE, find_runs, run_folder
-    from accel_train.run.location import readable_runs
+    from accel_train.run.read_cache import readable_runs
     from accel_train.storage import check_url_form, is_remote
     from accel_train.sweep import results as sweep_results
 
@@ -552,8 +552,8 @@ def plot_output(folders: list[str], found: list) -> Path:
 
 
 def _sweep(args: argparse.Namespace) -> None:
-    from accel_train.run.location import open_folder
-    from accel_train.storage import PATIENCE_S, check_url_form, is_remote
+    from accel_train.run.place import RunPlace
+    from accel_train.storage import PATIENCE_S, check_url_form
     from accel_train.sweep.runner import LOCK_FILE, Sweep, run_sweep
     from accel_train.sweep.space import parse_space
 
@@ -566,15 +566,13 @@ def _sweep(args: argparse.Namespace) -> None:
     folder = given.get("output_dir") or str(Path("sweeps") / Path(args.recipe.rstrip("/")).stem)
     check_url_form(folder, "output_dir")
     # A sweep folder at a URL: mirrored whole (its study, logs and trial runs) from this machine's staging
-    mirror = open_folder(folder, PATIENCE_S, ignore=(LOCK_FILE,)) if is_remote(folder) else None
+    place = RunPlace.open(folder, PATIENCE_S, whole=True, ignore=(LOCK_FILE,))
     try:
         run_sweep(Sweep(args.recipe, sorted(parameters, key=lambda p: p.key), fixed, args.metric,
-                        args.direction or "max", args.seed, args.startup_trials, args.pruner, args.trials,
-                        mirror.staging if mirror else Path(folder), args.launch,
-                        given_direction=args.direction is not None, mirror=mirror))
+                        args.direction or "max", args.seed, args.startup_trials, args.pruner, args.trials, place,
+                        args.launch, given_direction=args.direction is not None))
     finally:
-        if mirror is not None:  # however the sweep ends, the store gets all of it
-            mirror.drain(PATIENCE_S * 10)
+        place.drain(PATIENCE_S * 10)  # however the sweep ends, a store gets all of it
 
 
 DEFAULT_PREDICTIONS = "predictions.csv"  # predict's output= when none is given, in the current folder

@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from accel_train.config import Config
 
 
@@ -77,6 +79,21 @@ def across_world_sizes(world_size: int, checkpoint_world_size: int) -> str:
     return f"at {world_size} process(es) from a checkpoint of {checkpoint_world_size}"
 
 
+class Stateful(Protocol):
+    """A part of the run that survives a resume (Checkpoints' `states`)."""
+
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Place(Protocol):
+    """Where the run's files are written, as observers need it (run/place.py's RunPlace is one)."""
+
+    folder: Path  # output_dir, or this process's staging folder of a URL: the store gets what is written there
+
+    def sync_soon(self) -> None: ...  # what was written reaches the store soon (nothing to do for a local folder)
+
+
 @dataclass(frozen=True)
 class State:
     """What observers read: the loop changes `progress` and nothing else, and observers change nothing."""
@@ -88,8 +105,7 @@ class State:
     restart: tuple[int, int]  # (restarts by the launcher so far, restarts allowed)
     data: Any  # the training Data: its classes, and what feeds it faster (slow_input_advice)
     trackers: tuple[str, ...]  # Accelerate's tracker names the run logs to
-    place: Any  # run.location.RunPlace: where the run's files are written (.folder: output_dir, or this process's
-    # staging folder of a URL) and how a store gets them
+    place: Place  # where the run's files are written, and how a store gets them
 
 
 class Observer:

@@ -1,14 +1,20 @@
 """A checkpoint as files: the folder `accelerator.save_state` writes, the parts accel-train writes itself, and
 checkpoint.json, which describes them (each file's size and sha256); found and ordered by that file (never by name);
-which of them retention keeps; and the fsync helpers a commit uses."""
+which of them retention keeps; whether they are still as written; and the fsync helpers a commit uses."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from accel_train.run.layout import CHECKPOINT_META_FILE
+
+if TYPE_CHECKING:
+    from accel_train.state import Progress
 
 FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
@@ -26,6 +32,27 @@ def read_meta(folder: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def manifest(progress: Progress, evaluated: bool, parts: dict[str, list], serial: int, world_size: int,
+             config: dict) -> str:
+    """checkpoint.json: where training continues from the checkpoint, the files it holds ({file: [size, sha256]} in
+    `parts`), the resolved config; `serial` orders it after every checkpoint before."""
+    return json.dumps({
+        "format": FORMAT,
+        "serial": serial,
+        "step": progress.step,
+        "epoch": progress.epoch,
+        "batches_done_in_epoch": progress.batches_done_in_epoch(),
+        "steps_per_epoch": progress.steps_per_epoch,
+        "evaluated": evaluated,
+        "metrics": dict(progress.last_eval) if evaluated else {},
+        "world_size": world_size,
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": sizes(parts),
+        "sha256": {file: part[1] for file, part in parts.items()},  # checked before anything is loaded
+        "config": config,
+    }, indent=1)
 
 
 def list_checkpoints(directory: Path) -> list[tuple[Path, dict]]:
@@ -49,6 +76,30 @@ def to_keep(checkpoints: list[tuple[Path, dict]], keep_last: int, best_metric: s
         pick = max if best_mode == "max" else min
         keep.add(pick(scored, key=lambda item: item[1])[0])
     return keep
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(folder: Path, meta: dict, content: bool = True) -> str | None:
+    """What is wrong with a checkpoint's files before any is read: a file missing, of another size, or (`content`)
+    whose sha256 is not the one its manifest records (checkpoints written before hashes were recorded locally: sizes
+    only); None when they are as written."""
+    hashes = meta.get("sha256") or {}
+    for name, size in meta["files"].items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written"
+        if content and hashes.get(name) and sha256_of(path) != hashes[name]:
+            return f"{name} is not the file that was written (its sha256 differs from the manifest's)"
+    return None
 
 
 def sizes(parts: dict[str, list]) -> dict[str, int]:

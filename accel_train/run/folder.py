@@ -24,7 +24,7 @@ from accel_train.run.layout import (
     checkpoints_dir,
     held_results,
 )
-from accel_train.run.location import RunPlace
+from accel_train.run.place import RunPlace
 from accel_train.run.resume import resume_folder
 from accel_train.state import Observer, Progress, ResumePoint, State
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import re
-import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,11 +17,12 @@ from typing import TYPE_CHECKING
 
 from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
 from accel_train.console import warn
+from accel_train.distributed.collectives import first_message
 from accel_train.errors import UserError
 from accel_train.run.checkpoint_files import ACCELERATE_CUSTOM, list_checkpoints, load_tensor_parts, read_meta
 from accel_train.run.layout import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LOOP_STATE_FILE, MODEL_FILE, checkpoints_dir
-from accel_train.run.location import Mirror, RunPlace, sha256_of
 from accel_train.run.weights import shape_mismatch
+from accel_train.state import ResumePoint
 from accel_train.storage import is_remote, join
 
 if TYPE_CHECKING:
@@ -31,6 +30,55 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from accel_train.config import Config
+    from accel_train.run.place import RunPlace
+
+
+def load(folder: Path, shown: str, meta: dict, config: Config, accelerator: Accelerator, model: torch.nn.Module,
+         steps_per_epoch: int, tensor_parts: dict, states: dict) -> tuple[str | None, dict | None]:
+    """A checkpoint whose files are whole, loaded on every process: refused in one line when this run cannot continue
+    from it, raised when it does not load for another reason than damage (an older checkpoint would fail the same
+    way). (what is damaged, None), or (None, this process's saved `states` by name)."""
+    refuse_what_cannot_continue(folder, shown, meta, config, accelerator, model, steps_per_epoch)
+    trouble, error = load_checkpoint(accelerator, folder, meta, tensor_parts)
+    saved = None
+    if trouble is None and error is None:
+        trouble, saved = saved_states(folder, meta, accelerator, states)
+    error = first_message(error, accelerator)
+    if error:  # not damage: an older checkpoint would fail the same way, and this one is probably good
+        raise UserError(f"resume: cannot load {shown}, whose files are whole: {error}; the checkpoint is left as it "
+                        "is")
+    return trouble, saved
+
+
+def saved_states(folder: Path, meta: dict, accelerator: Accelerator, states: dict) -> tuple[str | None, dict | None]:
+    """(what is damaged, None) or (None, this process's saved parts by name): its own loop state, or at another
+    world size the saved processes' merged."""
+    try:
+        if meta["world_size"] == accelerator.num_processes:
+            return None, read_loop_state(folder, accelerator.process_index, meta)
+        return None, merged_loop_states(states, folder, meta)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # JSONDecodeError, UnicodeDecodeError: ValueError
+        return f"a loop state does not read ({type(err).__name__}: {str(err).splitlines()[0][:200]})", None
+
+
+def continue_from(folder: Path, shown: str, meta: dict, config: Config, accelerator: Accelerator, total_steps: int,
+                  in_output_dir: bool) -> ResumePoint:
+    """Where training continues from the checkpoint just loaded, said; Accelerate's count of micro-batches started
+    over, and at another world size each process's random streams reseeded."""
+    note_schedule_changes(shown, meta, config, accelerator)
+    epoch, done = resume_position(meta)
+    accelerator.print(f"resuming from {shown}: step {meta['step']}, epoch {epoch}, {done} batches of it done")
+    if meta["step"] >= total_steps:
+        accelerator.print(f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to train")
+        epoch, done = config.train.epochs, 0
+    # Accelerate's count of micro-batches, loaded with the RNG state, was made with the saved run's accumulation
+    # steps (and is missing for a process that run did not have); a checkpoint is at an optimizer step, where
+    # the count starts over.
+    accelerator.step = 0
+    if meta["world_size"] != accelerator.num_processes:
+        reseed_processes(config.seed, meta["step"], accelerator)
+    return ResumePoint(step=meta["step"], epoch=epoch, steps_done_in_epoch=done, evaluated=meta["evaluated"],
+                       in_output_dir=in_output_dir, saved_world_size=meta["world_size"])
 
 
 def resume_position(meta: dict) -> tuple[int, int]:
@@ -146,37 +194,6 @@ def note_schedule_changes(shown: str, meta: dict, config: Config, accelerator: A
                            f"{', '.join(changed)}")
 
 
-def linked(fetched: Path, folder: Path, meta: dict) -> str | None:
-    """The files this machine's first process fetched (`fetched`), in `folder`; what is wrong, or None."""
-    for name in meta["files"]:
-        source, path = fetched / name, folder / name
-        if not source.is_file():
-            return f"{name} was not fetched from the store (by the first process on this machine)"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
-        try:
-            os.link(source, path)
-        except OSError:  # a file system without hard links
-            shutil.copyfile(source, path)
-    return None
-
-
-def damage(folder: Path, meta: dict, content: bool = True) -> str | None:
-    """What is wrong with a checkpoint's files before any is read: a file missing, of another size, or (`content`)
-    whose sha256 is not the one its manifest records (checkpoints written before hashes were recorded locally: sizes
-    only); None when they are as written."""
-    hashes = meta.get("sha256") or {}
-    for name, size in meta["files"].items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {size} were written"
-        if content and hashes.get(name) and sha256_of(path) != hashes[name]:
-            return f"{name} is not the file that was written (its sha256 differs from the manifest's)"
-    return None
-
-
 class Damaged(Exception):
     """A checkpoint file that reads, but not as what accel-train wrote there."""
 
@@ -257,35 +274,6 @@ def is_damage(err: Exception) -> bool:
     if isinstance(err, pickle.UnpicklingError):  # torch's weights-only unpickler: garbage, or a class it refuses
         return "Unsupported global" not in str(err)
     return isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)  # torch's zip reader
-
-
-def fetch_once_per_machine(accelerator: Accelerator, mirror: Mirror, folder: Path, meta: dict) -> str | None:
-    """A committed checkpoint's objects from the store into staging, once per machine: the machine's first process
-    downloads them into a folder its processes share, and each process links them into its own staging (a hard
-    link, else a copy). What is wrong, or None."""
-    fetched = mirror.fetched / folder.name
-    trouble = download(mirror, fetched, folder.name, meta) if accelerator.is_local_main_process else None
-    accelerator.wait_for_everyone()
-    if trouble is None:
-        trouble = linked(fetched, folder, meta)
-    accelerator.wait_for_everyone()
-    if accelerator.is_local_main_process:
-        shutil.rmtree(fetched, ignore_errors=True)
-    return trouble
-
-
-def download(mirror: Mirror, into: Path, name: str, meta: dict) -> str | None:
-    """Each object of checkpoint `name`, checked against its manifest's size and sha256; what is wrong, or None."""
-    hashes = meta.get("sha256") or {}
-    for file, size in meta["files"].items():
-        path = into / file
-        try:
-            mirror.store.get(f"{CHECKPOINTS_DIR}/{name}/{file}", path)
-        except FileNotFoundError:
-            return f"{file} is missing in the store"
-        if path.stat().st_size != size or sha256_of(path) != hashes.get(file):
-            return f"{file} in the store is not the one its manifest describes (size or sha256)"
-    return None
 
 
 def merged_loop_states(states: dict, folder: Path, meta: dict) -> dict:

@@ -42,7 +42,7 @@ def weights_file(checkpoint: str, key: str = "checkpoint") -> Path:
     """The model.safetensors of a run folder, of a checkpoint folder, or the file itself, local or at a URL (copied
     into the read cache); `key` is the setting that named it, for the line that says it is not there."""
     if is_remote(checkpoint):
-        from accel_train.run.location import readable_weights
+        from accel_train.run.read_cache import readable_weights
 
         weights = readable_weights(checkpoint, key)
     else:
@@ -58,8 +58,7 @@ def weights_file(checkpoint: str, key: str = "checkpoint") -> Path:
 
 def _refuse_other_content(weights: Path, named: str) -> None:
     """A checkpoint's weights whose sha256 is not the one its checkpoint.json records: one line, before any read."""
-    from accel_train.run.checkpoint_files import read_meta
-    from accel_train.run.location import sha256_of
+    from accel_train.run.checkpoint_files import read_meta, sha256_of
 
     recorded = ((read_meta(weights.parent) or {}).get("sha256") or {}).get(weights.name)
     if recorded and sha256_of(weights) != recorded:

@@ -22,7 +22,7 @@ import yaml
 from accel_train.config import Config
 from accel_train.console import say
 from accel_train.errors import NothingCompleted, Preempted, UserError
-from accel_train.run.location import Mirror
+from accel_train.run.place import RunPlace
 from accel_train.run.summaries import duration
 from accel_train.sweep import results
 from accel_train.sweep.results import SWEEP_FILE
@@ -49,14 +49,17 @@ class Sweep:
     startup_trials: int
     pruner: str  # median, none
     trials: int
-    folder: Path
+    place: RunPlace  # the sweep's folder (for a URL, mirrored whole from this machine's staging)
     launch: str | None = None
     given_direction: bool = field(default=True, repr=False)
-    mirror: Mirror | None = field(default=None, repr=False)  # output_dir at a URL: `folder` is its staging
+
+    @property
+    def folder(self) -> Path:
+        return self.place.folder
 
     def shown(self, text: str | Path) -> str:
         """A path (or a line naming paths) of the sweep folder as the user gave it: its URL where it is staged."""
-        return str(text).replace(str(self.folder), self.mirror.url) if self.mirror is not None else str(text)
+        return str(text).replace(str(self.folder), self.place.shown(self.folder))
 
     def record(self) -> dict:
         return {"recipe": self.recipe, "search": [p.spelled for p in self.parameters], "fixed": list(self.fixed),
@@ -139,8 +142,7 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
                 pruned = report(sweep, study, trial, process, len(evaluations), line) or pruned
             if code is not None:
                 break
-            if sweep.mirror is not None:  # the trial's lines and the study, at most SYNC_EVERY_S behind
-                sweep.mirror.sync_soon()
+            sweep.place.sync_soon()  # in a store, the trial's lines and the study at most SYNC_EVERY_S behind
             time.sleep(POLL_S)
     except (KeyboardInterrupt, Interrupted) as stop:
         name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else "SIGTERM"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from accel_train.config import load_config
 from accel_train.console import say
-from accel_train.run.location import open_run, run_folder_patience
+from accel_train.run.place import RunPlace, run_folder_patience
 from accel_train.storage import Store
 
 
@@ -59,7 +59,7 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
 
         # One run's saves, as training makes them: the first allocates the host buffers, the others reuse them.
         run_url = f"{url.rstrip('/')}/background" if url else str(scratch / "background")
-        place = open_run(run_url, run_folder_patience(config))
+        place = RunPlace.open(run_url, run_folder_patience(config))
         checkpoints = Checkpoints(load_config(recipe, [*overrides, f"output_dir={run_url}"]), accelerator, place,
                                   prepared=Prepared(models=[model], optimizers=[optimizer]))
         with checkpoints:

@@ -40,7 +40,7 @@ from accel_train.console import note
 from accel_train.distributed.accelerator import finish_command
 from accel_train.errors import Preempted
 from accel_train.run.layout import EMA_FILE, MODEL_FILE
-from accel_train.run.location import RunPlace
+from accel_train.run.place import RunPlace
 from accel_train.run.weights import export
 from accel_train.training.evaluation import evaluate
 from accel_train.training.guard import clip_gradients

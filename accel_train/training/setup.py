@@ -37,7 +37,7 @@ from accel_train.run.checkpoint import Checkpoints
 from accel_train.run.display import Console
 from accel_train.run.folder import RunFolder
 from accel_train.run.layout import stuck_dir, trackers_dir
-from accel_train.run.location import RunPlace
+from accel_train.run.place import RunPlace
 from accel_train.run.snapshot import Prepared
 from accel_train.run.tracking import Trackers
 from accel_train.run.weights import initial_weights
@@ -190,7 +190,7 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
                           "validation split")
     # a run folder in a store: the processes meet in its stuck/, not on a disk they share
     watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(place.folder), signals,
-                        place.mirror.store_of(STUCK_DIR) if not place.shared else None)
+                        place.store_of(STUCK_DIR))
     batches = TrainingBatches(accelerator, train_loader, task, config.seed, accumulation, progress, start,
                               meter.timed, watchdog.mark, train_data.finish,
                               sample_indices=bool(dropout and dropout.layers))

@@ -16,7 +16,7 @@ from accel_train import hooks
 from accel_train.config import load_config
 from accel_train.run.checkpoint import Checkpoints
 from accel_train.run.checkpoint_files import list_checkpoints
-from accel_train.run.location import RunPlace, open_run
+from accel_train.run.place import RunPlace
 from accel_train.run.snapshot import Prepared
 from accel_train.state import Progress
 
@@ -39,7 +39,7 @@ def checkpoints_of_a_run(output_dir: str):
             for parameter in model.parameters():
                 parameter.fill_(value)
 
-    place, prepared = open_run(output_dir, patience_s=1), Prepared(models=[model], optimizers=[optimizer])
+    place, prepared = RunPlace.open(output_dir, patience_s=1), Prepared(models=[model], optimizers=[optimizer])
     with Checkpoints(config, accelerator, place, prepared=prepared) as checkpoints:
         yield checkpoints, weights_become
         assert checkpoints.worker.idle_within(60)  # every write done before the end's shorter wait
@@ -230,7 +230,7 @@ def test_a_background_save_writes_the_files_save_state_writes_with_the_same_cont
     for way, prepared in (("background", Prepared(models=[model], optimizers=[optimizer], schedulers=[scheduler],
                                                   loaders=[loader])), ("save_state", None)):
         config = load_config("mnist_cnn", [f"output_dir={tmp_path / way}"])
-        with Checkpoints(config, accelerator, RunPlace(config.output_dir), states={"ema": ema},
+        with Checkpoints(config, accelerator, RunPlace.open(config.output_dir, patience_s=1), states={"ema": ema},
                          prepared=prepared) as checkpoints:
             save(checkpoints, 1)
         ((folder, meta),) = list_checkpoints(checkpoints.directory)

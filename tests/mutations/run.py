@@ -59,16 +59,23 @@ MUTATIONS = [
     Mutation("checkpoint metadata written before the files (published, then saved into)",
              "accel_train/run/checkpoint.py", "                self.snapshots.write(snapshot, partial)\n",
              "                if accelerator.is_main_process:\n"
-             "                    self._publish(progress, evaluated, partial, name, {})\n"
+             "                    existing = list_checkpoints(self.directory)\n"
+             "                    self.place.commit(name, partial, manifest(progress, evaluated, {}, "
+             "existing[-1][1][\"serial\"] + 1 if existing else 1, accelerator.num_processes, self.config.to_dict()))\n"
              "                self.snapshots.write(snapshot, partial)\n",
              ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_resume_path_continues_from_that_checkpoint_of_its_own_folder_as_if_never_interrupted",
               "tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_save_cut_short_is_ignored_with_a_warning_then_removed_by_the_next_save")),
     Mutation("a checkpoint's manifest written before its objects are uploaded",
-             "accel_train/run/checkpoint.py", "            self._upload_part(name, mine)\n",
+             "accel_train/run/checkpoint.py",
+             "            self.place.put_part(name, partial, accelerator.process_index)\n",
              "            if accelerator.is_main_process:\n"
-             "                self._publish(progress, evaluated, partial, name, {path.name: [path.stat().st_size, "
-             "sha256_of(path)] for path in mine})\n"
-             "            self._upload_part(name, mine)\n",
+             "                from accel_train.run.place import files_in, sha256_of\n"
+             "                existing = list_checkpoints(self.directory)\n"
+             "                self.place.commit(name, partial, manifest(progress, evaluated, "
+             "{path.name: [path.stat().st_size, sha256_of(path)] for path in files_in(partial)}, "
+             "existing[-1][1][\"serial\"] + 1 if existing else 1, "
+             "accelerator.num_processes, self.config.to_dict()))\n"
+             "            self.place.put_part(name, partial, accelerator.process_index)\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::test_kill_9_during_an_upload_leaves_a_partial_checkpoint_the_next_start_ignores_saying_so",)),
     Mutation("retention makes room before a save (the checkpoint a start resumed from deleted before a newer one is "
              "committed, as Lightning #21813)",
@@ -77,7 +84,7 @@ MUTATIONS = [
              "        if self.accelerator.is_main_process:\n"
              "            for old in list_checkpoints(self.directory)[:len(list_checkpoints(self.directory)) + 1 - "
              "self.cfg.keep_last]:\n"
-             "                self._delete(*old)\n",
+             "                self.place.remove(*old)\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::test_retention_keeps_the_checkpoint_a_start_resumed_from_until_a_newer_one_is_committed_and_nothing_else_is_touched",)),
     Mutation("a buffer reused while its writer still reads it (a checkpoint mixes two steps)",
              "accel_train/run/snapshot.py", "        buffers = self.free_sets.get_nowait()\n",
@@ -85,11 +92,11 @@ MUTATIONS = [
              "        self.free_sets.put(buffers)\n",
              ("tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py::test_a_checkpoint_whose_write_outlasts_upload_wait_s_holds_its_own_step_though_the_next_save_came_meanwhile",)),
     Mutation("a save deletes the partial folder of a save still under way (that checkpoint is lost)",
-             "accel_train/run/checkpoint.py", "                    if stale.name not in under_way:",
-             "                    if True:",
+             "accel_train/run/place.py", "            if stale.name.removeprefix(PARTIAL_PREFIX) not in under_way:",
+             "            if True:",
              ("tests/checkpoints/test_a_slow_save_never_mixes_two_steps.py::test_a_checkpoint_whose_upload_outlasts_upload_wait_s_is_committed_though_training_saved_again_meanwhile",)),
     Mutation("the end of a run does not wait for its uploads (the background thread dies with the process)",
-             "accel_train/run/location.py", "            self.submit(lambda: None).result(timeout=seconds)\n",
+             "accel_train/run/place.py", "            self.submit(lambda: None).result(timeout=seconds)\n",
              "            self.submit(lambda: None)\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::test_the_end_of_a_run_waits_for_its_last_upload",)),
     Mutation("SIGTERM ignored (not handled: the process dies without saving)",
@@ -107,14 +114,14 @@ MUTATIONS = [
              "            return self.received is not None\n        if not now:\n            return False\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::-k sigterm_stops and bucket",)),
     Mutation("the watchdog of a run in a store looks for the other processes in its own staging folder",
-             "accel_train/training/setup.py", "place.mirror.store_of(STUCK_DIR) if not place.shared else None)",
+             "accel_train/training/setup.py", "place.store_of(STUCK_DIR))",
              "None)",
              ("tests/distributed/test_a_stuck_process_is_named.py::-k bucket",)),
     Mutation("resume download made per process again (8 processes of a node read a checkpoint 8 times)",
-             "accel_train/run/resume.py",
-             "download(mirror, fetched, folder.name, meta) if accelerator.is_local_main_process else None\n",
-             "download(mirror, fetched / str(accelerator.process_index), folder.name, meta)\n"
-             "    fetched = fetched / str(accelerator.process_index)\n",
+             "accel_train/run/place.py",
+             "self.download(fetched, folder.name, meta) if accelerator.is_local_main_process else None\n",
+             "self.download(fetched / str(accelerator.process_index), folder.name, meta)\n"
+             "        fetched = fetched / str(accelerator.process_index)\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::-k reading_its_checkpoint_once",)),
     Mutation("a part with tensors (the EMA) left out of the background save",
              "accel_train/run/checkpoint.py", "            prepared.parts.update(self.tensor_parts)\n",
@@ -145,7 +152,7 @@ MUTATIONS = [
              "refuse_other_identity(str(found[-1][0]), found[-1][1], config)",
              ("tests/run_folder/test_run_folder_in_object_storage.py::-k leaves_no_staging",)),
     Mutation("the run folder's own patience key ignored (a store run folder retries for the data's)",
-             "accel_train/run/location.py",
+             "accel_train/run/place.py",
              "    return config.checkpoint.store_patience_s or config.data.store_patience_s\n",
              "    return config.data.store_patience_s\n",
              ("tests/run_folder/test_run_folder_in_object_storage.py::-k patience",)),
@@ -187,7 +194,7 @@ MUTATIONS = [
              "kwargs_handlers=[],",
              ("tests/checkpoints/test_checkpoints_stops_and_exact_resume.py::test_a_hung_process_fails_the_others_at_collective_timeout_s",)),
     Mutation("a resume at another world size ignores the position in the epoch (starts the epoch over)",
-             "accel_train/run/checkpoint.py", "epoch, done = resume_position(meta)",
+             "accel_train/run/resume.py", "epoch, done = resume_position(meta)",
              'epoch, done = resume_position(meta) if meta["world_size"] == accelerator.num_processes else '
              '(meta["epoch"], 0)',
              ("tests/contracts/test_resume_at_another_world_size.py::test_a_resume_at_another_world_size_trains_the_same_global_batches_at_the_same_lr",)),
@@ -509,7 +516,8 @@ MUTATIONS = [
              'map_location="cpu", weights_only=False)',
              ("tests/checkpoints/test_a_checkpoint_runs_no_code_and_damage_never_resumes.py::-k written_before",)),
     Mutation("a checkpoint's files read without checking their sha256 against the manifest",
-             "accel_train/run/resume.py", "if content and hashes.get(name) and sha256_of(path) != hashes[name]:",
+             "accel_train/run/checkpoint_files.py",
+             "if content and hashes.get(name) and sha256_of(path) != hashes[name]:",
              "if False:",
              ("tests/checkpoints/test_a_checkpoint_runs_no_code_and_damage_never_resumes.py::test_a_file_replaced_by_a_pickle_that_runs_code_is_damage_and_the_previous_checkpoint_resumes",)),
     Mutation("random states that do not load resumed silently (as Accelerate's load_state does)",

@@ -187,3 +187,34 @@ def test_no_module_reads_accelerates_private_attributes():
             if isinstance(node, ast.Attribute) and node.attr in private:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: .{node.attr}")
     assert not found, "Accelerate's private attributes read:\n" + "\n".join(found)
+
+
+# --- where a run folder's bytes live is one object --------------------------------------------------------------------
+
+PLACE = PACKAGE / "run" / "place.py"
+
+
+def mirror_uses(source: str) -> list[int]:
+    """The lines of `source` that reach the Mirror: its class imported or named, or a place's `.mirror` read."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.alias) and node.name.rsplit(".", 1)[-1] == "Mirror" \
+                or isinstance(node, ast.Name) and node.id == "Mirror" \
+                or isinstance(node, ast.Attribute) and node.attr in ("Mirror", "mirror"):
+            found.add(node.lineno)
+    return sorted(found)
+
+
+def test_only_the_place_reaches_the_mirror_so_nothing_else_branches_on_a_run_folder_in_a_store():
+    # Whoever reads or writes a run asks its place (run/place.py); a caller holding the Mirror would branch on
+    # "local or store" again, as Checkpoints did in 17 places.
+    assert mirror_uses(PLACE.read_text()), f"{PLACE.name} no longer holds the Mirror: point this test at its module"
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py")) if path != PLACE
+             for line in mirror_uses(path.read_text())]
+    assert not found, "the Mirror reached outside run/place.py (ask the place instead):\n" + "\n".join(found)
+
+
+def test_the_mirror_check_finds_an_import_a_name_and_a_places_mirror():
+    source = ("from accel_train.run.place import Mirror\nimport accel_train.run.place\nmirror = Mirror('s3://b', 1)\n"
+              "place.mirror.sync()\naccel_train.run.place.Mirror\nmirrored = place.shown(place.folder)\n")
+    assert mirror_uses(source) == [1, 3, 4, 5]

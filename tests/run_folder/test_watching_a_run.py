@@ -334,13 +334,14 @@ def state_of(tmp_path, saved_world_size=None, trackers=(), **settings):
     """What observers read, for a run of mnist_cnn in `tmp_path` at 1 process."""
     from accel_train.config import load_config
     from accel_train.data import Data
-    from accel_train.run.location import RunPlace
+    from accel_train.run.place import RunPlace
     from accel_train.state import Progress, ResumePoint, State
 
     config = load_config("mnist_cnn", [f"output_dir={tmp_path}", *(f"{k}={v}" for k, v in settings.items())])
     launch = {"world_size": 1, "device": "cpu", "mixed_precision": "no"}
     return State(config, Progress(steps_per_epoch=10, total_steps=30), ResumePoint(saved_world_size=saved_world_size),
-                 launch, (0, 0), Data(None, 10, (1, 28, 28), ["0"] * 10), tuple(trackers), RunPlace(tmp_path))
+                 launch, (0, 0), Data(None, 10, (1, 28, 28), ["0"] * 10), tuple(trackers),
+                 RunPlace.open(tmp_path, patience_s=1))
 
 
 def test_the_start_line_says_a_resume_at_another_world_size_once(tmp_path):

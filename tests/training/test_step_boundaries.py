@@ -15,7 +15,7 @@ from accel_train.config import load_config
 from accel_train.data.in_memory import PerSampleImages
 from accel_train.run.checkpoint import Checkpoints
 from accel_train.run.folder import lines_up_to
-from accel_train.run.location import RunPlace
+from accel_train.run.place import RunPlace
 from accel_train.run.resume import resume_position
 from accel_train.state import Progress, ResumePoint
 from support.commands import train_in_process
@@ -101,7 +101,7 @@ def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_
 def config_with(**checkpoint) -> Checkpoints:
     overrides = [f"checkpoint.{key}={value}" for key, value in checkpoint.items()]
     config = load_config("mnist_cnn", overrides)
-    return Checkpoints(config, None, RunPlace(config.output_dir))  # scheduling needs no processes
+    return Checkpoints(config, None, RunPlace.open(config.output_dir, patience_s=1))  # scheduling needs no processes
 
 
 def saved_steps(checkpoints: Checkpoints, steps: int, last: int | None = None) -> list[int]:
