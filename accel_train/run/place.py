@@ -69,13 +69,6 @@ SYNC_EVERY_S = 10.0  # how stale the store's metrics.jsonl may be while a run tr
 PULLED = (CONFIG_FILE, METRICS_FILE, STARTS_FILE, CLASSES_FILE)  # what a start needs of the run, beside its trackers
 
 
-def local_dir(output_dir: str | Path) -> Path:
-    """The folder this process writes the run into: output_dir itself, or for a URL this process's staging folder."""
-    if not is_remote(str(output_dir)):
-        return Path(output_dir)
-    return staging_of(str(output_dir)) / f"process-{launcher_environment().rank}"
-
-
 def staging_of(url: str) -> Path:
     """This machine's folder for a URL (its processes' staging folders, a resumed checkpoint's download)."""
     return staging_root() / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
@@ -93,9 +86,8 @@ class RunPlace(ABC):
     save_verb: str  # what a save's background work is, as lines say it: "still being written"
     shared: bool  # every process writes into `folder` (a local output_dir, on a disk the machines share)
 
-    def __init__(self, output_dir: str, folder: Path, worker: Worker) -> None:
-        self.output_dir, self.folder, self.worker = output_dir, folder, worker
-        self.checkpoints = checkpoints_dir(folder)
+    def __init__(self, folder: Path, worker: Worker) -> None:
+        self.folder, self.worker, self.checkpoints = folder, worker, checkpoints_dir(folder)
 
     @staticmethod
     def open(output_dir: str | Path, patience_s: float, *, whole: bool = False,
@@ -127,7 +119,8 @@ class RunPlace(ABC):
 
     @abstractmethod
     def drain(self, bound_s: float) -> bool:
-        """Whether everything written so far has reached where the run lives, waiting at most `bound_s`."""
+        """Whether everything written so far has reached where the run lives, waiting at most `bound_s` (in a store:
+        then this process's staging is removed)."""
 
     @abstractmethod
     def store_of(self, folder: str) -> Store | None:
@@ -169,7 +162,7 @@ class RunPlace(ABC):
 
     @abstractmethod
     def remove(self, folder: Path, meta: dict) -> None:
-        """A committed checkpoint deleted; first uncommitted, so that nothing lists it half-deleted."""
+        """A committed checkpoint deleted: every file its manifest (`meta`) lists."""
 
     @abstractmethod
     def fetch(self, accelerator: Accelerator, folder: Path, meta: dict) -> str | None:
@@ -183,7 +176,7 @@ class LocalPlace(RunPlace):
     save_verb, shared = "written", True
 
     def __init__(self, output_dir: str) -> None:
-        super().__init__(output_dir, Path(output_dir), Worker("accel-train checkpoint"))
+        super().__init__(Path(output_dir), Worker("accel-train checkpoint"))
 
     def shown(self, path: Path) -> str:
         return str(path)
@@ -245,7 +238,7 @@ class StorePlace(RunPlace):
     save_verb, shared = "uploaded", False  # each process stages the run on its own machine's disk
 
     def __init__(self, mirror: Mirror) -> None:
-        super().__init__(mirror.url, mirror.staging, mirror.worker)
+        super().__init__(mirror.staging, mirror.worker)
         self.mirror = mirror
 
     def shown(self, path: Path) -> str:
@@ -404,7 +397,8 @@ class Mirror:
     after its other files, and removes from the store what staging no longer has."""
 
     def __init__(self, url: str, patience_s: float, whole: bool = False, ignore: tuple[str, ...] = ()) -> None:
-        self.url, self.staging, self.whole, self.ignore = url.rstrip("/"), local_dir(url), whole, ignore
+        self.url, self.whole, self.ignore = url.rstrip("/"), whole, ignore
+        self.staging = staging_of(url) / f"process-{launcher_environment().rank}"  # where this process writes the run
         self.fetched = staging_of(url) / "fetched"  # a resumed checkpoint's objects, downloaded once per machine
         self.store = Store(self.url, "output_dir", patience_s)
         self.worker = Worker("accel-train upload")
