@@ -143,16 +143,16 @@ class _Subcommand(argparse.ArgumentParser):
         self.exit(2, f"accel-train: error: {command}: {message}; {self.prog} --help shows its usage\n")
 
 
-def _parser() -> _CommandLine:
+def command_line() -> _CommandLine:
     """The table of commands: each one's parser, in the order --help lists them, and the function that runs it."""
     parser = _CommandLine(prog="accel-train", description="Train PyTorch models on 1 GPU, N GPUs or N machines with "
                           "one code path (Hugging Face Accelerate).", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Subcommand)
 
     def command(name: str, run, arguments: str | None = None, **kwargs) -> argparse.ArgumentParser:
-        parser = commands.add_parser(name, prog=f"accel-train {name}", **kwargs)  # its own prog: else all of USAGE
-        parser.set_defaults(run=run, **({"arguments": arguments} if arguments else {}))
-        return parser
+        subcommand = commands.add_parser(name, prog=f"accel-train {name}", **kwargs)  # its own prog: else all USAGE
+        subcommand.set_defaults(run=run, arguments=arguments)
+        return subcommand
 
     def on_a_recipe(name: str, run, metavar: str, text: str, nargs: str | None = "?") -> None:
         """RECIPE or RUN, then config overrides; one line, usage and examples from COMMANDS."""
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv[:1] in (["--version"], ["-V"]):
             return _print_versions()
-        _dispatch(_parser(), argv)
+        _dispatch(command_line(), argv)
         sys.stdout.flush()  # here, where a reader that left is caught, not at the interpreter's exit
     except BrokenPipeError:  # `accel-train keys | head`: the reader left; no traceback, as other tools do
         import os
