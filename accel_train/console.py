@@ -1,9 +1,10 @@
 """Lines for people, through `logging`: each module logs to `logging.getLogger(__name__)`, under the "accel_train"
 logger, and the handler here prints those records as plain lines that leave a progress bar whole.
 
-The rule (docs/logging.md): importing accel_train gives the "accel_train" logger this handler, the INFO level where
-the program set none, and propagate=False. So a program that configures nothing, and the command line, see the lines
-as they have always been printed, each once; a program controls them with the standard calls:
+The rule (docs/user-code.md, "The lines a run prints"): importing accel_train gives the "accel_train" logger this
+handler, the INFO level where the program set none, and propagate=False. So a program that configures nothing, and
+the command line, see the lines as they have always been printed, each once; a program controls them with the
+standard calls:
 
     logging.getLogger("accel_train").setLevel(logging.WARNING)  # warnings and errors only, and no progress bar
     logging.getLogger("accel_train").addHandler(handler)        # `handler` receives every record too

@@ -26,8 +26,8 @@ done: 2 steps, 1 epoch(s), 1 process(es), mixed precision no
   wall time  #s (# samples/s while training, #% of it waiting for data)
   best       test accuracy # at step 2
   final      test num_samples 32, loss #, accuracy #, correct #, top5 # (step 2)
-  files      {out}/: model.safetensors, model_best.safetensors, metrics.jsonl, config.yaml, starts.jsonl, classes.json, \
-checkpoints/
+  files      {out}/: model.safetensors, model_best.safetensors, metrics.jsonl, config.yaml, starts.jsonl, \
+classes.json, checkpoints/
 checkpoints: 2 saved; training blocked # s by them, written in # s in all
 """
 STDERR = """\
