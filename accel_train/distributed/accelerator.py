@@ -8,15 +8,18 @@ main-process helpers; the few collectives of the loop's decisions are collective
 from __future__ import annotations
 
 import atexit
-import sys
+import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from accel_train import hooks
+from accel_train.console import note
 from accel_train.distributed.devices import has_accelerator_device
 from accel_train.distributed.environment import LauncherEnvironment, launcher_environment
 from accel_train.errors import LaunchError, UserError
 from accel_train.versions import versions
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report errors without them
     import torch
@@ -40,11 +43,11 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
     if use_cpu and launcher.mixed_precision == "fp16":
-        _warn_once("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32")
+        _warn_once("fp16 mixed precision is unavailable on CPU; training in fp32")
         mixed_precision = "no"
     if use_cpu and launcher.uses_fsdp:
-        _warn_once("accel-train: warning: Accelerate runs FSDP on GPUs only; on this CPU every process holds the "
-                   "whole model (DDP over a gloo group)")
+        _warn_once("Accelerate runs FSDP on GPUs only; on this CPU every process holds the whole model (DDP over a "
+                   "gloo group)")
     form_group_apart_from_earlier_attempts(use_cpu, collective_timeout_s, launcher)
     # Without cpu=True, Accelerate on a GPU-less box under a multi-process launcher silently
     # trains N independent copies instead of joining one gloo process group.
@@ -76,7 +79,7 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
 def _warn_once(line: str) -> None:
     """A warning about the launch, from the reporting process, once a process (a script may make several)."""
     if line not in _GROUP["warned"] and launcher_environment().is_reporting_process:
-        print(line, file=sys.stderr)
+        logger.warning(line)
     _GROUP["warned"].add(line)
 
 
@@ -156,8 +159,9 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     if not enabled or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cpu":
-        accelerator.print("model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own "
-                          "statistics")
+        note(logger, accelerator,
+             "model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own "
+             "statistics")
         return model
     import torch
 

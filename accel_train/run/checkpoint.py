@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import time
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from accel_train import hooks
-from accel_train.console import say, warn
+from accel_train.console import note, warn
 from accel_train.distributed.collectives import any_process, first_message, main_value
 from accel_train.errors import NonFiniteError, Preempted, UserError, writing
 from accel_train.run.checkpoint_files import (
@@ -85,6 +86,8 @@ from accel_train.run.resume import (
 )
 from accel_train.state import Progress, ResumePoint
 from accel_train.storage import StoreUnavailable
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -164,9 +167,9 @@ class Checkpoints:
         if self.mirror is not None:
             self.mirror.drain(self.cfg.upload_wait_s)
         self.worker.close()
-        if self.saves and self.accelerator.is_main_process:
-            say(f"checkpoints: {self.saves} saved; training blocked {self.blocked_s:.2f} s by them, {self.done} in "
-                f"{self.written_s:.2f} s in all")
+        if self.saves:
+            note(logger, self.accelerator, f"checkpoints: {self.saves} saved; training blocked {self.blocked_s:.2f} s "
+                                           f"by them, {self.done} in {self.written_s:.2f} s in all")
 
     def due(self, progress: Progress, last: bool) -> bool:
         """Whether the step just taken is saved: every checkpoint.every_steps optimizer steps, after each epoch's
@@ -185,9 +188,10 @@ class Checkpoints:
         self.settle()
         accelerator = self.accelerator
         if any_process(not self.snapshots.free(), accelerator):  # every process skips, or none (run/snapshot.py)
-            warn(accelerator, f"the checkpoint of step {progress.step} is skipped: the two before it are still being "
-                              f"{self.done} and hold host memory for two copies of the state; training goes on and "
-                              "the next save tries again")
+            warn(logger, accelerator,
+                 f"the checkpoint of step {progress.step} is skipped: the two before it are still being "
+                 f"{self.done} and hold host memory for two copies of the state; training goes on and "
+                 "the next save tries again")
             return None
         hooks.every().checkpoint_saving(progress)
         name = main_value(self._free_name(progress.step) if accelerator.is_main_process else None, accelerator)
@@ -237,14 +241,16 @@ class Checkpoints:
         elif pending is not None:
             self.overdue.append(pending)
             if not at_end:
-                warn(self.accelerator, f"the checkpoint of step {pending.progress.step} is still being {self.done} "
-                                       f"after {bound_s:g} s (checkpoint.upload_wait_s); going on without it: it is "
-                                       "committed if it ends, and a later line says if it fails")
+                warn(logger, self.accelerator,
+                     f"the checkpoint of step {pending.progress.step} is still being {self.done} "
+                     f"after {bound_s:g} s (checkpoint.upload_wait_s); going on without it: it is "
+                     "committed if it ends, and a later line says if it fails")
         if at_end:
             for save in self.overdue:
-                warn(self.accelerator, f"the checkpoint of step {save.progress.step} is still being {self.done} "
-                                       f"after {bound_s:g} s (checkpoint.upload_wait_s); ending without it: "
-                                       "resume=auto takes the newest committed checkpoint")
+                warn(logger, self.accelerator,
+                     f"the checkpoint of step {save.progress.step} is still being {self.done} "
+                     f"after {bound_s:g} s (checkpoint.upload_wait_s); ending without it: "
+                     "resume=auto takes the newest committed checkpoint")
             self.overdue = []
 
     def _said(self, save: UnderWay) -> None:
@@ -254,9 +260,8 @@ class Checkpoints:
         except StoreUnavailable as err:
             if self.cfg.require_upload:
                 raise
-            say(f"accel-train: warning: the checkpoint of step {save.progress.step} did not reach the store ({err}); "
-                "training goes on and the next save tries again (checkpoint.require_upload=true stops instead)",
-                error=True)
+            logger.warning(f"the checkpoint of step {save.progress.step} did not reach the store ({err}); training "
+                           "goes on and the next save tries again (checkpoint.require_upload=true stops instead)")
             return
         hooks.every().checkpoint_saved(save.progress, save.location)
 
@@ -268,8 +273,8 @@ class Checkpoints:
             hooks.every().checkpoint_saved(save.progress, save.location)
             return
         reason = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"  # ours: one line
-        say(f"accel-train: warning: the checkpoint of step {save.progress.step} failed after training went on without "
-            f"it ({reason.splitlines()[0]}); resume=auto takes the newest committed checkpoint", error=True)
+        logger.warning(f"the checkpoint of step {save.progress.step} failed after training went on without it "
+                       f"({reason.splitlines()[0]}); resume=auto takes the newest committed checkpoint")
 
     def _free_name(self, step: int) -> str:
         name, suffix = f"step-{step:08d}", 1
@@ -309,8 +314,8 @@ class Checkpoints:
         written = time.perf_counter() - started
         self.written_s += written
         size_mb = sum(meta_size for meta_size in sizes(parts).values()) / 2**20
-        say(f"checkpoint step {progress.step} saved in {self.where(final)}: blocked {blocked:.2f} s, {self.done} in "
-            f"{written:.2f} s ({size_mb:.1f} MiB)")
+        logger.info(f"checkpoint step {progress.step} saved in {self.where(final)}: blocked {blocked:.2f} s, "
+                    f"{self.done} in {written:.2f} s ({size_mb:.1f} MiB)")
         self._prune()
 
     def _upload_part(self, name: str, paths: list[Path]) -> None:
@@ -427,9 +432,10 @@ class Checkpoints:
             partials = sorted(directory.glob(f"{PARTIAL_PREFIX}*")) if directory.is_dir() else []
             for partial in [*partials, *(directory / name for name in self.mirror.partial_checkpoints)] \
                     if self.mirror is not None else partials:
-                warn(accelerator, f"ignoring {self.where(partial)}: a save that did not complete")
+                warn(logger, accelerator, f"ignoring {self.where(partial)}: a save that did not complete")
             if not candidates:
-                accelerator.print(f"resume=auto: no checkpoint in {self.where(directory)}; starting from step 0")
+                note(logger, accelerator,
+                     f"resume=auto: no checkpoint in {self.where(directory)}; starting from step 0")
                 return ResumePoint()
         else:  # check_resume made sure, before any data loaded, that it is a checkpoint of this run
             candidates = [(resume_folder(config, self.place), read_meta(resume_folder(config, self.place)))]
@@ -452,19 +458,21 @@ class Checkpoints:
                                     "checkpoint is left as it is")
                 if not any_process(trouble is not None, accelerator):
                     break
-            warn(accelerator, f"checkpoint {self.where(folder)} is unusable "
-                              f"({trouble or 'another process found it damaged'}); trying the previous one")
+            warn(logger, accelerator, f"checkpoint {self.where(folder)} is unusable "
+                                      f"({trouble or 'another process found it damaged'}); trying the previous one")
         else:
             where = self.where(directory) if config.resume == "auto" else config.resume
             raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from "
                             "step 0")
         note_schedule_changes(self.where(folder), meta, config, accelerator)
         epoch, done = resume_position(meta)
-        accelerator.print(f"resuming from {self.where(folder)}: step {meta['step']}, epoch {epoch}, {done} batches "
-                          "of it done")
+        note(logger, accelerator,
+             f"resuming from {self.where(folder)}: step {meta['step']}, epoch {epoch}, {done} batches "
+             "of it done")
         if meta["step"] >= total_steps:
-            accelerator.print(f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to "
-                              "train")
+            note(logger, accelerator,
+                 f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to "
+                 "train")
             epoch, done = config.train.epochs, 0
         # Accelerate's count of micro-batches, loaded with the RNG state, was made with the saved run's accumulation
         # steps (and is missing for a process that run did not have); a checkpoint is at an optimizer step, where

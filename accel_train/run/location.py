@@ -15,6 +15,7 @@ checkpoint is committed (so a resume finds every line its checkpoint had seen), 
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import shutil
 import threading
@@ -25,7 +26,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from accel_train.config import CONFIG_FILE
-from accel_train.console import say
 from accel_train.distributed.environment import launcher_environment, staging_root
 from accel_train.run.layout import (
     BEST_FILE,
@@ -40,6 +40,8 @@ from accel_train.run.layout import (
     TRACKERS_DIR,
 )
 from accel_train.storage import Store, StoreUnavailable, check_location, is_remote
+
+logger = logging.getLogger(__name__)
 
 SYNC_EVERY_S = 10.0  # how stale the store's metrics.jsonl may be while a run trains
 PULLED = (CONFIG_FILE, METRICS_FILE, STARTS_FILE, CLASSES_FILE)  # what a start needs of the run, beside its trackers
@@ -205,7 +207,7 @@ class Mirror:
     def warn(self, text: str) -> None:
         if not self.warned:
             self.warned = True
-            say(f"accel-train: warning: {text}", error=True)
+            logger.warning(text)
 
 
 class RunPlace:

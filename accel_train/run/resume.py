@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -25,6 +26,8 @@ from accel_train.run.layout import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LOOP_S
 from accel_train.run.location import Mirror, RunPlace, sha256_of
 from accel_train.run.weights import shape_mismatch
 from accel_train.storage import is_remote, join
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -142,8 +145,8 @@ def note_schedule_changes(shown: str, meta: dict, config: Config, accelerator: A
         keys += ["epochs", "max_steps"]
     changed = [f"train.{key} {saved.get(key)} -> {ours[key]}" for key in keys if saved.get(key) != ours[key]]
     if changed:
-        warn(accelerator, f"resuming {shown}: the LR schedule continues as saved there, ignoring "
-                           f"{', '.join(changed)}")
+        warn(logger, accelerator, f"resuming {shown}: the LR schedule continues as saved there, ignoring "
+                                   f"{', '.join(changed)}")
 
 
 def linked(fetched: Path, folder: Path, meta: dict) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 
 import torch
@@ -25,6 +26,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from accel_train.console import warn
+
+logger = logging.getLogger(__name__)
 
 # splitmix64 (Steele, Lea and Flood 2014; Vigna's public-domain code) for a sample's 64-bit base, and Wellons's
 # lowbias32 for its elements: int32 arithmetic that wraps, in place, a quarter of splitmix64's bytes per element (on
@@ -115,10 +118,11 @@ class DropoutKeys:
     def _say(self, found: dict[str, str]) -> None:
         listed = "; ".join(f"{name} ({how})" for name, how in list(found.items())[:6])
         more = f" and {len(found) - 6} more" if len(found) > 6 else ""
-        warn(self, f"dropout that cannot be keyed by sample: {len(found)} layer(s) draw it inside their forward, "
-                   f"{listed}{more}; their masks are torch's, drawn per process, so a run with them trains alike at "
-                   "another world size only within their noise (docs/contracts.md; model.dropout=false removes "
-                   "the layers' own dropout, a model's config its attention dropout)")
+        warn(logger, self,
+             f"dropout that cannot be keyed by sample: {len(found)} layer(s) draw it inside their forward, "
+             f"{listed}{more}; their masks are torch's, drawn per process, so a run with them trains alike at "
+             "another world size only within their noise (docs/contracts.md; model.dropout=false removes "
+             "the layers' own dropout, a model's config its attention dropout)")
 
 
 class KeyedDropout(nn.Module):

@@ -9,6 +9,7 @@ watchdog on every process. Nothing here trains; loop.py does.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,8 @@ from accel_train.training.selection import ModelSelection
 from accel_train.training.steps import PlainStep, TrainingBatches
 from accel_train.workloads.models import compile_model, tune_for_device
 from accel_train.workloads.tasks import Task
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -162,7 +165,7 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
     progress = Progress(steps_per_epoch=steps_per_epoch, total_steps=total_steps(config.train, steps_per_epoch),
                         started=started)
     if overrun := schedule_overruns(config.train, steps_per_epoch):
-        warn(accelerator, overrun)
+        warn(logger, accelerator, overrun)
     ema = WeightsEMA(accelerator, model, config.train.ema_decay) if config.train.ema_decay else None
     meter = TrainMeter(accelerator, config.train.batch_size)
     selection = ModelSelection(config, accelerator, place.folder)
@@ -185,9 +188,10 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
     signals = StopSignals(accelerator, config.train.collective_timeout_s)
     selecting_split = "val" if val_loader is not None else "test"
     if (config.checkpoint.best_metric or config.train.early_stop_patience) and val_loader is None:
-        warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
-                          "no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
-                          "validation split")
+        warn(logger, accelerator,
+             "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
+             "no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
+             "validation split")
     # a run folder in a store: the processes meet in its stuck/, not on a disk they share
     watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(place.folder), signals,
                         place.mirror.store_of(STUCK_DIR) if not place.shared else None)

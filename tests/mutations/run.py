@@ -203,7 +203,7 @@ MUTATIONS = [
              "    found = []\n",
              ("tests/run_folder/test_eval_predict_and_resume_read_the_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
     Mutation("the checkpoint line printed over the progress bar",
-             "accel_train/run/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
+             "accel_train/run/checkpoint.py", 'logger.info(f"checkpoint step', 'print(f"checkpoint step',
              ("tests/run_folder/test_watching_a_run.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
     # guard.py, NonFiniteGuard.step: the flag of this process's terms reduced (max) over every process. A NaN loss
     # reaches the gradients, whose all-reduce spreads it anyway; a non-finite loss value whose gradients stay
@@ -309,10 +309,7 @@ MUTATIONS = [
     # sweep/runner.py, report: a trial the pruner rejects is sent SIGTERM, so it saves and exits 75.
     Mutation("a pruned trial is not stopped (it trains to the end, only recorded as pruned)",
              "accel_train/sweep/runner.py",
-             "    say(f\"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
-             "stopping it\")\n    process.stop()\n",
-             "    say(f\"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
-             "stopping it\")\n",
+             "                \"stopping it\")\n    process.stop()\n", "                \"stopping it\")\n",
              ("tests/tools/test_sweep.py::-k six_trial",)),
     # sweep/trial.py, _dies_with_the_sweep: a killed sweep's trial gets SIGTERM and saves, so the rerun resumes it.
     Mutation("a killed sweep leaves its trial training alone (no SIGTERM from the kernel)",
