@@ -50,10 +50,6 @@ class Loaders:
     test: DataLoader
     val: DataLoader | None
 
-    def __iter__(self):
-        """The loaders there are, in the order the run prepares them."""
-        return iter([loader for loader in (self.train, self.test, self.val) if loader is not None])
-
 
 @dataclass
 class RunData:
