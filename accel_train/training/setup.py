@@ -118,10 +118,7 @@ def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, mod
                   data.train, tuple(trackers), place)
     observers = main_process_observers(accelerator, task, config, trackers)
     signals = StopSignals(accelerator, config.train.collective_timeout_s)
-    if (config.checkpoint.best_metric or config.train.early_stop_patience) and data.val is None:
-        warn(accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, which then "
-                          "no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
-                          "validation split")
+    resumable.selection.warn_if_choosing_on(data.selecting_split)
     # a run folder in a store: the processes meet in its stuck/, not on a disk they share
     watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(place.folder), signals,
                         place.mirror.store_of(STUCK_DIR) if not place.shared else None)
