@@ -1,5 +1,6 @@
-"""The Accelerator every command uses, formed into a real process group on whatever hardware is present, and the
-checks a launch must pass: the world size, how a global batch splits.
+"""The Accelerator every command uses, formed into a real process group on whatever hardware is present (a training
+run's with its numerics: accelerator_for_run), and the checks a launch must pass: the world size, how a global batch
+splits.
 
 The rest of the package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics` and its
 main-process helpers; the few collectives of the loop's decisions are collectives.py's.
