@@ -1,5 +1,6 @@
-"""The Accelerator every command uses, formed into a real process group on whatever hardware is present, and the
-checks a launch must pass: the world size, how a global batch splits.
+"""The Accelerator every command uses, formed into a real process group on whatever hardware is present (a training
+run's with its numerics: accelerator_for_run), and the checks a launch must pass: the world size, how a global batch
+splits.
 
 The rest of the package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics` and its
 main-process helpers; the few collectives of the loop's decisions are collectives.py's.
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from accel_train import hooks
 from accel_train.console import note
-from accel_train.distributed.devices import has_accelerator_device
+from accel_train.distributed.devices import has_accelerator_device, set_numerics
 from accel_train.distributed.environment import LauncherEnvironment, launcher_environment
 from accel_train.errors import LaunchError, UserError
 from accel_train.versions import versions
@@ -24,6 +25,17 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report errors without them
     import torch
     from accelerate import Accelerator
+
+    from accel_train.config import TrainConfig
+
+
+def accelerator_for_run(cfg: TrainConfig, seed: int, trackers: list[str], trackers_dir: str) -> Accelerator:
+    """A training run's Accelerator: the numerics train.deterministic and train.tf32 ask for, set before any kernel
+    runs; its trackers' files in `trackers_dir`; train.batch_size checked to split evenly across its processes."""
+    set_numerics(cfg.deterministic, cfg.tf32)
+    accelerator = make_accelerator(seed, cfg.collective_timeout_s, trackers, trackers_dir)
+    per_process_batch(cfg.batch_size, accelerator, "train.batch_size")
+    return accelerator
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),

@@ -20,6 +20,7 @@ from torch import nn
 from accel_train.config import ModelConfig
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.versions import check_versions
+from accel_train.workloads.heads import replace_head
 from accel_train.workloads.inputs import InputDefaults
 
 INSTALL = "pip install 'accel-train[hub]'"
@@ -128,8 +129,6 @@ def build(cfg: ModelConfig, num_classes: int, classes: list[str] | None) -> nn.M
                                 "weights_only) if you trust its source") from None
             raise
     if saved.num_labels == num_classes and [saved.id2label[index] for index in range(num_classes)] != names:
-        from accel_train.workloads.models import replace_head
-
         replace_head(model, num_classes, num_classes)  # the same count of other classes: a head of its own
     return model
 

@@ -231,7 +231,7 @@ MUTATIONS = [
     # setup.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
     # and divides the loss by, one more than the micro-batches the loader cuts a step's batch into.
     Mutation("the accumulation boundary off by one (an optimizer step every accumulation + 1 micro-batches)",
-             "accel_train/training/setup.py", "accelerator.gradient_accumulation_steps = accumulation",
+             "accel_train/training/preparation.py", "accelerator.gradient_accumulation_steps = accumulation",
              "accelerator.gradient_accumulation_steps = accumulation + 1",
              ("tests/contracts/test_accumulation_trains_like_one_global_batch.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
     # data/validation.py, hold_out_validation: the training set is what is left after the held-out samples.

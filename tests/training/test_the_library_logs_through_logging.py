@@ -93,7 +93,7 @@ def test_a_programs_handler_receives_the_records_with_their_module_and_level(tmp
     library_logger.addHandler(handler)
     train_in_process("mnist_cnn", *RUN, f"output_dir={tmp_path}")
     said = [(record.name, record.levelname, record.getMessage()) for record in received]
-    assert ("accel_train.training.setup", "WARNING", STDERR.removeprefix("accel-train: warning: ").rstrip()) in said
+    assert ("accel_train.training.selection", "WARNING", STDERR.removeprefix("accel-train: warning: ").rstrip()) in said
     assert [name for name, level, message in said if message.startswith("done: ")] == ["accel_train.run.display"]
     assert capsys.readouterr().out, "a handler of the program's own is added beside the console's, which still prints"
 
