@@ -43,7 +43,8 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     """An Accelerator that forms a real process group on whatever hardware is present.
 
     Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
-    scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
+    scheduler steps once per optimizer step at any world size (the loop steps it, telling it whether the step was
+    skipped: Accelerate's wrapper passes every call through), and the seedable sampler makes the
     data order a function of (seed, epoch) alone. A collective that waits longer than
     `collective_timeout_s` (a peer died or hangs) fails the job instead of hanging for NCCL's 30 minutes.
     `trackers` (Accelerate's names, e.g. tensorboard) keep their local files in `trackers_dir`.
@@ -71,6 +72,10 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed,
                                                   non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
+        # The loop alone decides how the schedule moves (optim.AppliedStepsLR, from the guard's device flag). Stepped
+        # with the optimizer, Accelerate's wrapper would drop the call on a micro-step it does not sync (and may count
+        # it in the scheduler's private _step_count, which ours does not keep).
+        step_scheduler_with_optimizer=False,
         log_with=list(trackers) or None,
         project_dir=trackers_dir if trackers else None,
     ))
