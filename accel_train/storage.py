@@ -190,7 +190,10 @@ class Store:
         return join(self.location, name) if name else self.location
 
     def _path(self, name: str) -> str:
-        return self.fs._strip_protocol(self.url(name))
+        """The object's path as its file system names it (the URL without its protocol)."""
+        from fsspec.core import strip_protocol
+
+        return strip_protocol(self.url(name))
 
     def read(self, name: str, start: int | None = None, end: int | None = None,
              check: Callable[[bytes], str | None] | None = None, size: int | None = None) -> bytes:
