@@ -26,6 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from accel_train.console import warn
+from accel_train.workloads.models import DROPOUT_LAYERS
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ _MIX_2 = 0x94D049BB133111EB - 2**64
 _LOWBIAS_1, _LOWBIAS_2 = 0x7FEB352D, 0x846CA68B - 2**32
 _INT32_MIN = -2**31
 _MASKS = {bits: (1 << (64 - bits)) - 1 for bits in (27, 30, 31)}  # a logical shift right of a signed int64
-KEYED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _SELU_ALPHA_PRIME = -1.7580993408473766  # -SELU's lambda * alpha: what alpha dropout sets dropped units to
 
 
@@ -171,7 +171,7 @@ def key_dropout(model: nn.Module, seed: int, accelerator) -> DropoutKeys:
     keys = DropoutKeys(accelerator.is_main_process, accelerator.device)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) in KEYED and float(child.p) > 0:
+            if type(child) in DROPOUT_LAYERS and float(child.p) > 0:
                 setattr(module, child_name, KeyedDropout(child, keys, layer_salt(seed, f"{name}.{child_name}")))
                 keys.layers += 1
     return keys

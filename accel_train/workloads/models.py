@@ -17,6 +17,8 @@ from accel_train.workloads.heads import replace_head
 from accel_train.workloads.inputs import InputDefaults
 
 MODELS: Registry[nn.Module] = Registry("model", "model.name")
+# Every kind of dropout layer torch has: model.dropout=false removes them, train.keyed_dropout keys them
+DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @MODELS.register("mnist_cnn")
@@ -224,7 +226,7 @@ def pretrained_model(name: str, num_classes: int) -> nn.Module:
 
 def remove_dropout(model: nn.Module) -> None:
     for name, child in model.named_children():
-        if isinstance(child, nn.modules.dropout._DropoutNd):
+        if isinstance(child, DROPOUT_LAYERS):
             setattr(model, name, nn.Identity())
         else:
             remove_dropout(child)
