@@ -137,13 +137,12 @@ PICKLED = "pytorch_model.bin"
 
 
 def _has_pickled_weights(transformers, cfg: ModelConfig) -> bool:
-    """Whether the repository (cached, reachable or a folder) holds weights as a pickle."""
+    """Whether the repository (a folder, cached, or reachable) holds weights as a pickle, without downloading them;
+    offline (HF_HUB_OFFLINE=1) the cache answers."""
     try:
-        found = transformers.utils.cached_file(repository(cfg), PICKLED, revision=cfg.revision,
-                                               _raise_exceptions_for_missing_entries=False)
-    except OSError:
+        return transformers.utils.has_file(repository(cfg), PICKLED, revision=cfg.revision)
+    except OSError:  # a repository or revision that is not there: the load's own error says so
         return False
-    return found is not None
 
 
 def export(model: nn.Module, cfg: ModelConfig, data, classes: list[str], folder: Path) -> list[str]:
