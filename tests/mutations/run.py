@@ -347,8 +347,8 @@ MUTATIONS = [
              "data_seed=seed),",
              ("tests/training/test_step_boundaries.py::test_batches_for_a_gpu_come_from_pinned_memory_and_reach_it_without_blocking",)),
     Mutation("the EMA's counter on the CPU (copied to the device at every update)",
-             "accel_train/training/ema.py", "super().__init__(model, device=device, use_buffers=True)",
-             "super().__init__(model, use_buffers=True)",
+             "accel_train/training/ema.py", "super().__init__(model, device=device, use_buffers=True,",
+             "super().__init__(model, use_buffers=True,",
              ("tests/training/test_step_boundaries.py::test_the_weights_average_lives_on_the_models_device_and_updates_without_moving_anything",)),
     Mutation("the EMA updated by AveragedModel's own update (its counter read on the host at every step)",
              "accel_train/training/ema.py",
@@ -541,6 +541,15 @@ MUTATIONS = [
              "accel_train/workloads/hf_models.py", "use_safetensors=None if cfg.allow_pickled_weights else True",
              "use_safetensors=None",
              ("tests/workloads/test_hub_models_and_datasets.py::test_weights_only_in_a_pickle_load_only_when_allowed",)),
+    Mutation("the LR schedule stepped by Accelerate's wrapper with the optimizer (a call it does not sync dropped)",
+             "accel_train/distributed/accelerator.py", "step_scheduler_with_optimizer=False",
+             "step_scheduler_with_optimizer=True",
+             ("tests/training/test_step_boundaries.py::test_the_loop_alone_moves_the_lr_schedule_even_on_a_micro_step_accelerate_would_not_sync",)),
+    Mutation("pickled weights looked for in a local folder only (a Hub name's cache not asked)",
+             "accel_train/workloads/hf_models.py",
+             "        return transformers.utils.has_file(repository(cfg), PICKLED, revision=cfg.revision)",
+             "        return (Path(repository(cfg)) / PICKLED).is_file()",
+             ("tests/workloads/test_hub_models_and_datasets.py::test_hub_names_resolve_from_the_cache_offline_and_a_name_it_lacks_is_one_line_exit_3",)),
 ]
 
 
