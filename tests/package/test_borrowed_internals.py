@@ -18,8 +18,6 @@ from support.locations import REPO, TESTS
 
 PACKAGE = REPO / "accel_train"
 TABLE = (REPO / "docs" / "tests.md").read_text().split("## Borrowed internals")[1].split("\n## ")[0]
-# argparse's, in cli.py: the command table (issue 61, item 3) takes them out; these lines go with them
-LEAVING = {("accel_train/cli.py", "_subparsers"), ("accel_train/cli.py", "_group_actions")}
 
 
 def private(name: str) -> bool:
@@ -113,13 +111,13 @@ def used() -> set[tuple[str, str]]:
 def test_every_borrowed_name_is_listed_and_every_listed_one_used():
     found, table = used(), listed()
     assert len(table) >= 5  # the table parsed
-    unlisted = sorted(found - table - LEAVING)
+    unlisted = sorted(found - table)
     assert not unlisted, ("another library's underscore names, in no row of docs/tests.md's Borrowed internals (use a "
                           "public API, or add a row: why, and the test that fails when it is renamed):\n" +
                           "\n".join(f"{file}: {name}" for file, name in unlisted))
-    stale = sorted((table | LEAVING) - found)
+    stale = sorted(table - found)
     assert not stale, ("listed as borrowed but no longer used there (or no longer the library's): delete it from "
-                       "docs/tests.md's Borrowed internals (or LEAVING here):\n" +
+                       "docs/tests.md's Borrowed internals:\n" +
                        "\n".join(f"{file}: {name}" for file, name in stale))
 
 
