@@ -5,11 +5,17 @@ workload, Data (what a Task is given), mean_metric (an exact mean over the eval 
 mistake raises). Importing the package is light: torch loads when one of these is first used.
 """
 
+from accel_train.console import print_lines_unless_told_otherwise
+
 __version__ = "0.1.0"
 __all__ = ["Config", "Data", "Task", "UserError", "evaluate", "load_config", "mean_metric", "predict", "train"]
 
 _WHERE = {"train": "api", "evaluate": "api", "predict": "api", "load_config": "config", "Config": "config",
           "Task": "workloads.tasks", "mean_metric": "workloads.tasks", "Data": "data", "UserError": "errors"}
+
+
+# the package's lines printed as the command line prints them, unless the program says otherwise (console.py)
+print_lines_unless_told_otherwise()
 
 
 def __getattr__(name: str):

@@ -15,7 +15,9 @@ Every process runs the script, so it must build the same model and data on each 
 or a recipe and `checkpoint`; either way a setting that changes what the weights mean (model.*, data.name,
 data.image_size, data.normalize, task) must agree with the run's. Objects given (a task, a model,
 datasets) take the place of the names the recipe gives; config.yaml records them as <module.Class>.
-Mistakes raise `accel_train.UserError` with the one line the command line would print.
+Mistakes raise `accel_train.UserError` with the one line the command line would print. The lines a run prints are
+records of the "accel_train" logger: `logging.getLogger("accel_train").setLevel(logging.WARNING)` keeps only the
+warnings (console.py says how to route them).
 
 The command line calls these same functions: `train`, and for eval and predict `run_config` (the checks, before
 torch loads), then `evaluate_run` / `predict_run`. The checks before training run once, in `check_before_opening` and

@@ -7,6 +7,7 @@ from a config; the storage libraries are extras (`pip install 'accel-train[s3]'`
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -17,8 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from accel_train.console import say
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -188,7 +190,10 @@ class Store:
         return join(self.location, name) if name else self.location
 
     def _path(self, name: str) -> str:
-        return self.fs._strip_protocol(self.url(name))
+        """The object's path as its file system names it (the URL without its protocol)."""
+        from fsspec.core import strip_protocol
+
+        return strip_protocol(self.url(name))
 
     def read(self, name: str, start: int | None = None, end: int | None = None,
              check: Callable[[bytes], str | None] | None = None, size: int | None = None) -> bytes:
@@ -349,8 +354,7 @@ class Store:
                                            ) from None
                 if not _warned.is_set():
                     _warned.set()
-                    say(f"accel-train: warning: {url}: {reason.splitlines()[0][:200]}; retrying for up to "
-                        f"{self.patience_s:.0f} s", error=True)
+                    logger.warning(f"{url}: {reason.splitlines()[0][:200]}; retrying for up to {self.patience_s:.0f} s")
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 

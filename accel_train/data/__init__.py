@@ -1,5 +1,6 @@
 """Data: datasets by name (the torchvision sets in memory, ImageFolder trees, a user's dataset by import path),
-the validation split, and the loaders that feed the loop; every augmentation keyed by (seed, epoch, sample).
+the validation split, and the loaders that feed the loop (a training run's, all three: run_data); every augmentation
+keyed by (seed, epoch, sample).
 
 Datasets that fit in memory (the MNIST family, CIFAR-10, STL-10) are kept as one uint8 tensor and, with
 data.on_device, moved once to the training device and served a whole batch at a time from there (in_memory.py).
@@ -10,8 +11,12 @@ on-device augmentation is (keyed.py).
 
 from __future__ import annotations
 
-from torch.utils.data import Dataset
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from torch.utils.data import DataLoader, Dataset
+
+from accel_train import hooks
 from accel_train.config import DataConfig
 from accel_train.data import imagefolder, torchvision_sets  # noqa: F401  (registration)
 from accel_train.data.classes import labelled_by
@@ -25,12 +30,64 @@ from accel_train.data.shards import dataset as _shards  # noqa: F401  (registrat
 from accel_train.data.torchvision_sets import SOURCES
 from accel_train.data.user import check_user_dataset, from_dataset, user_dataset
 from accel_train.data.validation import hold_out_validation
+from accel_train.distributed.accelerator import round_up_to_world
 from accel_train.errors import UserError
 from accel_train.import_paths import is_given_object, is_import_path, source_of
 
-__all__ = ["DATASETS", "Data", "InMemoryImages", "KeyedSamples", "build_dataset", "check_data_name", "from_dataset",
-           "hold_out_validation", "image_converter", "load_image", "make_loader", "sample_keys", "slow_input_advice",
-           "start_epoch"]
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+__all__ = ["DATASETS", "Data", "InMemoryImages", "KeyedSamples", "Loaders", "RunData", "build_dataset",
+           "check_data_name", "from_dataset", "hold_out_validation", "image_converter", "load_image", "make_loader",
+           "run_data", "sample_keys", "slow_input_advice", "start_epoch"]
+
+
+@dataclass
+class Loaders:
+    """A training run's loaders; `val` None where the test set selects."""
+
+    train: DataLoader
+    test: DataLoader
+    val: DataLoader | None
+
+
+@dataclass
+class RunData:
+    """A training run's data: its training split, the test set, and the validation split held out (None: the test
+    set selects the model). Every split is labelled by the training split's class names."""
+
+    train: Data
+    test: Data
+    val: Data | None
+
+    @property
+    def selecting_split(self) -> str:
+        """The split that evaluations during training measure and select on."""
+        return "val" if self.val is not None else "test"
+
+    def loaders(self, cfg: DataConfig, batch_size: int, eval_batch_size: int, accelerator: Accelerator,
+                accumulation: int, sample_indices: bool) -> Loaders:
+        """The training split's loader of `accumulation` micro-batches a step (each sample's index beside it with
+        `sample_indices`), and the evaluation splits' of eval_batch_size rounded up to split across processes."""
+        every, device = hooks.every(), accelerator.device
+        train = make_loader(every.data_built(self.train, "train"), cfg, batch_size, True, device, accumulation,
+                            sample_indices=sample_indices)
+        eval_batch = round_up_to_world(eval_batch_size, accelerator)
+        test = make_loader(every.data_built(self.test, "test"), cfg, eval_batch, False, device)
+        val = make_loader(every.data_built(self.val, "val"), cfg, eval_batch, False, device) if self.val else None
+        return Loaders(train, test, val)
+
+
+def run_data(cfg: DataConfig, seed: int, accelerator: Accelerator, train_dataset: Dataset | None = None,
+             eval_dataset: Dataset | None = None) -> RunData:
+    """The data data.name names (or the datasets given), fetched by each node's main process first, and the
+    validation split data.val_fraction (or the data's own) holds out."""
+    with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
+        train = build_dataset(cfg, train=True, given=train_dataset)
+        # labelled by the training split's class names: an evaluation split lacking a class is not shifted
+        test = build_dataset(cfg, train=False, given=eval_dataset, classes=train.classes)
+    train, val = hold_out_validation(cfg, seed, train, test)
+    return RunData(train, test, val)
 
 
 def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None,

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import torch
 from torch.utils.data import Dataset, Subset
 
 from accel_train.config import DataConfig
-from accel_train.console import say
 from accel_train.data.imagefolder import imagefolder_data, imagefolder_transform, own_validation_folder
 from accel_train.data.in_memory import InMemoryImages
 from accel_train.data.registry import Data
 from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import UserError
 from accel_train.import_paths import source_of
+
+logger = logging.getLogger(__name__)
 
 
 def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | None = None) -> tuple[Data, Data | None]:
@@ -70,10 +72,10 @@ def _as_evaluated(dataset: Dataset, cfg: DataConfig, test: Data | None) -> Datas
         transform = getattr(evaluated, "transform", None)
         if transform is None or not hasattr(inner, "transform"):
             if launcher_environment().is_reporting_process:
-                say(f"accel-train: warning: data.val_fraction: the validation samples of data.name={cfg.name} come "
-                    "from its training dataset, with its transforms (augmentation too); give its datasets a "
-                    "`transform` attribute (the test split's is then used) to evaluate them as the test split is",
-                    error=True)
+                logger.warning(f"data.val_fraction: the validation samples of data.name={cfg.name} come from its "
+                               "training dataset, with its transforms (augmentation too); give its datasets a "
+                               "`transform` attribute (the test split's is then used) to evaluate them as the test "
+                               "split is")
             return dataset
     copied = copy.copy(inner)
     copied.transform = transform

@@ -1,5 +1,6 @@
-"""The Accelerator every command uses, formed into a real process group on whatever hardware is present, and the
-checks a launch must pass: the world size, how a global batch splits.
+"""The Accelerator every command uses, formed into a real process group on whatever hardware is present (a training
+run's with its numerics: accelerator_for_run), and the checks a launch must pass: the world size, how a global batch
+splits.
 
 The rest of the package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics` and its
 main-process helpers; the few collectives of the loop's decisions are collectives.py's.
@@ -8,19 +9,33 @@ main-process helpers; the few collectives of the loop's decisions are collective
 from __future__ import annotations
 
 import atexit
-import sys
+import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from accel_train import hooks
-from accel_train.distributed.devices import has_accelerator_device
+from accel_train.console import note
+from accel_train.distributed.devices import has_accelerator_device, set_numerics
 from accel_train.distributed.environment import LauncherEnvironment, launcher_environment
 from accel_train.errors import LaunchError, UserError
 from accel_train.versions import versions
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report errors without them
     import torch
     from accelerate import Accelerator
+
+    from accel_train.config import TrainConfig
+
+
+def accelerator_for_run(cfg: TrainConfig, seed: int, trackers: list[str], trackers_dir: str) -> Accelerator:
+    """A training run's Accelerator: the numerics train.deterministic and train.tf32 ask for, set before any kernel
+    runs; its trackers' files in `trackers_dir`; train.batch_size checked to split evenly across its processes."""
+    set_numerics(cfg.deterministic, cfg.tf32)
+    accelerator = make_accelerator(seed, cfg.collective_timeout_s, trackers, trackers_dir)
+    per_process_batch(cfg.batch_size, accelerator, "train.batch_size")
+    return accelerator
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),
@@ -28,7 +43,8 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     """An Accelerator that forms a real process group on whatever hardware is present.
 
     Batches are split (train.batch_size is global) so N processes x B/N == 1 process x B, the LR
-    scheduler steps once per optimizer step at any world size, and the seedable sampler makes the
+    scheduler steps once per optimizer step at any world size (the loop steps it, telling it whether the step was
+    skipped: Accelerate's wrapper passes every call through), and the seedable sampler makes the
     data order a function of (seed, epoch) alone. A collective that waits longer than
     `collective_timeout_s` (a peer died or hangs) fails the job instead of hanging for NCCL's 30 minutes.
     `trackers` (Accelerate's names, e.g. tensorboard) keep their local files in `trackers_dir`.
@@ -40,11 +56,11 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
     use_cpu = not has_accelerator_device()
     mixed_precision = None  # None = whatever the launch profile says
     if use_cpu and launcher.mixed_precision == "fp16":
-        _warn_once("accel-train: warning: fp16 mixed precision is unavailable on CPU; training in fp32")
+        _warn_once("fp16 mixed precision is unavailable on CPU; training in fp32")
         mixed_precision = "no"
     if use_cpu and launcher.uses_fsdp:
-        _warn_once("accel-train: warning: Accelerate runs FSDP on GPUs only; on this CPU every process holds the "
-                   "whole model (DDP over a gloo group)")
+        _warn_once("Accelerate runs FSDP on GPUs only; on this CPU every process holds the whole model (DDP over a "
+                   "gloo group)")
     form_group_apart_from_earlier_attempts(use_cpu, collective_timeout_s, launcher)
     # Without cpu=True, Accelerate on a GPU-less box under a multi-process launcher silently
     # trains N independent copies instead of joining one gloo process group.
@@ -56,6 +72,10 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=seed,
                                                   non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
+        # The loop alone decides how the schedule moves (optim.AppliedStepsLR, from the guard's device flag). Stepped
+        # with the optimizer, Accelerate's wrapper would drop the call on a micro-step it does not sync (and may count
+        # it in the scheduler's private _step_count, which ours does not keep).
+        step_scheduler_with_optimizer=False,
         log_with=list(trackers) or None,
         project_dir=trackers_dir if trackers else None,
     ))
@@ -76,7 +96,7 @@ def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: lis
 def _warn_once(line: str) -> None:
     """A warning about the launch, from the reporting process, once a process (a script may make several)."""
     if line not in _GROUP["warned"] and launcher_environment().is_reporting_process:
-        print(line, file=sys.stderr)
+        logger.warning(line)
     _GROUP["warned"].add(line)
 
 
@@ -156,8 +176,9 @@ def maybe_sync_batchnorm(model: torch.nn.Module, enabled: bool, accelerator: Acc
     if not enabled or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cpu":
-        accelerator.print("model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own "
-                          "statistics")
+        note(logger, accelerator,
+             "model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own "
+             "statistics")
         return model
     import torch
 

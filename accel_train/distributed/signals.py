@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from typing import TYPE_CHECKING
 
-from accel_train.console import say
+from accel_train.console import NOLOCK
 from accel_train.distributed.collectives import cpu_group
 from accel_train.distributed.environment import launcher_environment
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -58,8 +61,9 @@ class StopSignals:
     def _record(self, signum: int, frame) -> None:
         if self.received is None and not self.quiet:
             self.received = signal.Signals(signum).name
-            say(f"accel-train: {self.received} received by process {self.process}: saving a checkpoint at the "
-                "next agreed step, then exiting", error=True, nolock=True)
+            # a warning (the run ends early, as asked), headed as the command line always said it: no "warning:"
+            logger.warning(f"{self.received} received by process {self.process}: saving a checkpoint at the next "
+                           "agreed step, then exiting", extra={**NOLOCK, "heading": "accel-train: "})
 
     def agreed(self, step: int, now: bool = False) -> bool:
         """True on every process, at the same step, once any process got SIGTERM / SIGINT.

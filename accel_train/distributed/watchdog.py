@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import signal
 import sys
@@ -35,9 +36,11 @@ from pathlib import Path
 from typing import Protocol
 
 from accel_train import hooks
-from accel_train.console import say
+from accel_train.console import NOLOCK
 from accel_train.distributed.environment import host_name
 from accel_train.errors import Stuck
+
+logger = logging.getLogger(__name__)
 
 STUCK_DIR = "stuck"  # in the run folder
 STUCK_STACKS_FILE = "process-{process}.txt"  # faulthandler's dump of every thread of that process
@@ -236,12 +239,12 @@ class Watchdog:
         if process == 0:
             records = self._collect(record)
             line = describe(records, self.hosts, self.bound, self.shown)
-            say(f"accel-train: {Stuck(line)}", error=True, nolock=True)
+            logger.error(line, extra=NOLOCK)
             self._write(self.folder / STUCK_REPORT_FILE, {"attempt": self.attempt, "line": line})
         elif not self._reported():
-            say(f"accel-train: process {process}: {where(record)}; no progress for more than {self.bound:g} s "
-                f"(train.stuck_after_s) and the main process did not report; stacks in "
-                f"{self.shown}{record['stacks']}", error=True, nolock=True)
+            logger.error(f"process {process}: {where(record)}; no progress for more than {self.bound:g} s "
+                         f"(train.stuck_after_s) and the main process did not report; stacks in "
+                         f"{self.shown}{record['stacks']}", extra=NOLOCK)
         if hooks.every().process_ends(Stuck.exit_code):
             end_process(Stuck.exit_code)
 

@@ -5,13 +5,16 @@ when the disk failed); the end says which saves it ends without."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from accel_train import hooks
-from accel_train.console import say, warn
+from accel_train.console import warn
 from accel_train.errors import UserError
 from accel_train.storage import StoreUnavailable
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -64,14 +67,16 @@ class BackgroundSaves:
         elif pending is not None:
             self.overdue.append(pending)
             if not at_end:
-                warn(self.accelerator, f"the checkpoint of step {pending.progress.step} is still being "
-                                       f"{self.save_verb} after {bound_s:g} s (checkpoint.upload_wait_s); going on "
-                                       "without it: it is committed if it ends, and a later line says if it fails")
+                warn(logger, self.accelerator,
+                     f"the checkpoint of step {pending.progress.step} is still being {self.save_verb} after "
+                     f"{bound_s:g} s (checkpoint.upload_wait_s); going on without it: it is committed if it ends, "
+                     "and a later line says if it fails")
         if at_end:
             for save in self.overdue:
-                warn(self.accelerator, f"the checkpoint of step {save.progress.step} is still being {self.save_verb} "
-                                       f"after {bound_s:g} s (checkpoint.upload_wait_s); ending without it: "
-                                       "resume=auto takes the newest committed checkpoint")
+                warn(logger, self.accelerator,
+                     f"the checkpoint of step {save.progress.step} is still being {self.save_verb} after "
+                     f"{bound_s:g} s (checkpoint.upload_wait_s); ending without it: resume=auto takes the newest "
+                     "committed checkpoint")
             self.overdue = []
 
     def _said(self, save: UnderWay) -> None:
@@ -81,9 +86,8 @@ class BackgroundSaves:
         except StoreUnavailable as err:
             if self.cfg.require_upload:
                 raise
-            say(f"accel-train: warning: the checkpoint of step {save.progress.step} did not reach the store ({err}); "
-                "training goes on and the next save tries again (checkpoint.require_upload=true stops instead)",
-                error=True)
+            logger.warning(f"the checkpoint of step {save.progress.step} did not reach the store ({err}); training "
+                           "goes on and the next save tries again (checkpoint.require_upload=true stops instead)")
             return
         hooks.every().checkpoint_saved(save.progress, save.location)
 
@@ -95,5 +99,5 @@ class BackgroundSaves:
             hooks.every().checkpoint_saved(save.progress, save.location)
             return
         reason = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"  # ours: one line
-        say(f"accel-train: warning: the checkpoint of step {save.progress.step} failed after training went on without "
-            f"it ({reason.splitlines()[0]}); resume=auto takes the newest committed checkpoint", error=True)
+        logger.warning(f"the checkpoint of step {save.progress.step} failed after training went on without it "
+                       f"({reason.splitlines()[0]}); resume=auto takes the newest committed checkpoint")

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from accel_train import hooks
-from accel_train.console import say, warn
+from accel_train.console import note, warn
 from accel_train.distributed.collectives import any_process, main_value
 from accel_train.errors import NonFiniteError, Preempted, UserError, writing
 from accel_train.run.background_saves import BackgroundSaves, UnderWay
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from accel_train.config import CheckpointConfig, Config
     from accel_train.run.place import RunPlace
     from accel_train.run.snapshot import Prepared, Snapshot
+
+logger = logging.getLogger(__name__)
 
 ABANDON_WAIT_S = 30.0  # how long a run that fails waits for its own part of a save under way
 
@@ -96,9 +99,9 @@ class Checkpoints:
         self.settle(at_end=True)
         self.place.drain(self.cfg.upload_wait_s)
         self.worker.close()
-        if self.saves and self.accelerator.is_main_process:
-            say(f"checkpoints: {self.saves} saved; training blocked {self.blocked_s:.2f} s by them, "
-                f"{self.place.save_verb} in {self.written_s:.2f} s in all")
+        if self.saves:
+            note(logger, self.accelerator, f"checkpoints: {self.saves} saved; training blocked {self.blocked_s:.2f} s "
+                                           f"by them, {self.place.save_verb} in {self.written_s:.2f} s in all")
 
     def due(self, progress: Progress, last: bool) -> bool:
         """Whether the step just taken is saved: every checkpoint.every_steps optimizer steps, after each epoch's
@@ -117,9 +120,10 @@ class Checkpoints:
         self.settle()
         accelerator = self.accelerator
         if any_process(not self.snapshots.free(), accelerator):  # every process skips, or none (run/snapshot.py)
-            warn(accelerator, f"the checkpoint of step {progress.step} is skipped: the two before it are still being "
-                              f"{self.place.save_verb} and hold host memory for two copies of the state; training "
-                              "goes on and the next save tries again")
+            warn(logger, accelerator,
+                 f"the checkpoint of step {progress.step} is skipped: the two before it are still being "
+                 f"{self.place.save_verb} and hold host memory for two copies of the state; training goes on and "
+                 "the next save tries again")
             return None
         hooks.every().checkpoint_saving(progress)
         name = main_value(self._free_name(progress.step) if accelerator.is_main_process else None, accelerator)
@@ -175,8 +179,8 @@ class Checkpoints:
         written = time.perf_counter() - started
         self.written_s += written
         size_mb = sum(meta_size for meta_size in sizes(parts).values()) / 2**20
-        say(f"checkpoint step {progress.step} saved in {self.place.shown(final)}: blocked {blocked:.2f} s, "
-            f"{self.place.save_verb} in {written:.2f} s ({size_mb:.1f} MiB)")
+        logger.info(f"checkpoint step {progress.step} saved in {self.place.shown(final)}: blocked {blocked:.2f} s, "
+                    f"{self.place.save_verb} in {written:.2f} s ({size_mb:.1f} MiB)")
         self._prune()
 
     def _wait_for_parts(self, name: str, partial: Path, step: int) -> dict[str, list]:
@@ -211,9 +215,10 @@ class Checkpoints:
         if config.resume == "auto":
             candidates = list_checkpoints(self.directory)
             for partial in self.place.unfinished_saves():
-                warn(accelerator, f"ignoring {shown(partial)}: a save that did not complete")
+                warn(logger, accelerator, f"ignoring {shown(partial)}: a save that did not complete")
             if not candidates:
-                accelerator.print(f"resume=auto: no checkpoint in {shown(self.directory)}; starting from step 0")
+                note(logger, accelerator,
+                     f"resume=auto: no checkpoint in {shown(self.directory)}; starting from step 0")
                 return ResumePoint()
         else:  # check_resume made sure, before any data loaded, that it is a checkpoint of this run
             candidates = [(resume_folder(config, self.place), read_meta(resume_folder(config, self.place)))]
@@ -226,8 +231,8 @@ class Checkpoints:
                                       self.tensor_parts, self.states)
                 if not any_process(trouble is not None, accelerator):
                     break
-            warn(accelerator, f"checkpoint {shown(folder)} is unusable "
-                              f"({trouble or 'another process found it damaged'}); trying the previous one")
+            warn(logger, accelerator, f"checkpoint {shown(folder)} is unusable "
+                                      f"({trouble or 'another process found it damaged'}); trying the previous one")
         else:
             where = shown(self.directory) if config.resume == "auto" else config.resume
             raise UserError(f"resume={config.resume}: no loadable checkpoint in {where}; set resume=null to start from "

@@ -3,14 +3,17 @@ a line per evaluation and checkpoint, one warning when the steps wait for data, 
 
 from __future__ import annotations
 
+import logging
 import time
 
-from accel_train.console import say
+from accel_train.console import bar_disabled
 from accel_train.data import slow_input_advice
 from accel_train.run.layout import TRACKERS_DIR, results_of
 from accel_train.run.summaries import duration, ran_out, summarize
 from accel_train.state import Observer, Progress, State, across_world_sizes
 from accel_train.storage import join
+
+logger = logging.getLogger(__name__)
 
 SLOW_INPUT_SHARE = 0.3  # a train line whose data_wait is above this says which knob feeds the steps faster
 
@@ -31,12 +34,12 @@ class Console(Observer):
 
         progress, train = state.progress, state.config.train
         self.progress_every_s = train.progress_every_s
-        print(f"{headline(state)}, {progress.total_steps} steps", flush=True)
+        logger.info(f"{headline(state)}, {progress.total_steps} steps")
         if train.progress_bar:
-            # disable=None: no bar when stderr is not a terminal; the progress lines below take its place.
+            # no bar when stderr is not a terminal (the progress lines below take its place) or our lines are silenced
             self.epoch_shown = progress.step // progress.steps_per_epoch
             self.bar = tqdm(total=progress.total_steps, initial=progress.step, unit="step", dynamic_ncols=True,
-                            disable=None, desc=f"epoch {self.epoch_shown}")
+                            disable=bar_disabled(logger), desc=f"epoch {self.epoch_shown}")
             if self.bar.disable:
                 self.bar = None
             elif callable(self.bar.dynamic_ncols):  # tqdm asks it the terminal's width at every refresh
@@ -50,9 +53,9 @@ class Console(Observer):
             self.bar.set_postfix_str(progress_terms(logs), refresh=False)
         if logs.get("data_wait", 0.0) > SLOW_INPUT_SHARE and not self.said_slow_input:
             self.said_slow_input = True
-            say(f"accel-train: warning: {logs['data_wait']:.0%} of the training time up to step {state.progress.step} "
-                f"was spent waiting for data (data_wait in metrics.jsonl); "
-                f"{slow_input_advice(state.config.data, state.data)}", error=True)
+            logger.warning(f"{logs['data_wait']:.0%} of the training time up to step {state.progress.step} was spent "
+                           f"waiting for data (data_wait in metrics.jsonl); "
+                           f"{slow_input_advice(state.config.data, state.data)}")
 
     def on_step_end(self, state: State) -> None:
         progress = state.progress
@@ -63,7 +66,7 @@ class Console(Observer):
             self.bar.update(1)
         elif self.progress_every_s and time.perf_counter() - self.printed_at >= self.progress_every_s:
             self.printed_at = time.perf_counter()
-            print(self.progress_line(progress), flush=True)
+            logger.info(self.progress_line(progress))
 
     def progress_line(self, progress: Progress) -> str:
         done = progress.step - self.first_step
@@ -75,12 +78,12 @@ class Console(Observer):
                 f"{duration(progress.elapsed_s())} elapsed, {duration(left)} left")
 
     def on_eval(self, state: State, metrics: dict, split: str) -> None:
-        say(f"epoch {state.progress.epoch} step {state.progress.step} {split}: {shown(metrics)}")
+        logger.info(f"epoch {state.progress.epoch} step {state.progress.step} {split}: {shown(metrics)}")
 
     def on_train_end(self, state: State) -> None:
         self.close()
-        print(summary_block({**summarize(state.place.folder), "folder": state.config.output_dir},
-                            results(state), watch(state)), flush=True)
+        logger.info(summary_block({**summarize(state.place.folder), "folder": state.config.output_dir},
+                                  results(state), watch(state)))
 
     def close(self) -> None:
         """The bar is left as it stands, and what follows (the summary, a stop or error line) starts a line."""

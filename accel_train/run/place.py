@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import queue
 import shutil
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import CONFIG_FILE
-from accel_train.console import say
 from accel_train.distributed.environment import launcher_environment, staging_root
 from accel_train.run.checkpoint_files import (
     PART_DONE,
@@ -61,6 +61,8 @@ from accel_train.run.layout import (
     usual_permissions,
 )
 from accel_train.storage import Store, StoreUnavailable, check_location, is_remote
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -489,4 +491,4 @@ class Mirror:
     def warn(self, text: str) -> None:
         if not self.warned:
             self.warned = True
-            say(f"accel-train: warning: {text}", error=True)
+            logger.warning(text)

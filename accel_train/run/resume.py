@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import pickle
 import re
 import tempfile
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
-from accel_train.console import warn
+from accel_train.console import note, warn
 from accel_train.distributed.collectives import first_message
 from accel_train.errors import UserError
 from accel_train.run.checkpoint_files import ACCELERATE_CUSTOM, list_checkpoints, load_tensor_parts, read_meta
@@ -24,6 +25,8 @@ from accel_train.run.layout import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LOOP_S
 from accel_train.run.weights import shape_mismatch
 from accel_train.state import ResumePoint
 from accel_train.storage import is_remote, join
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -67,9 +70,10 @@ def continue_from(folder: Path, shown: str, meta: dict, config: Config, accelera
     over, and at another world size each process's random streams reseeded."""
     note_schedule_changes(shown, meta, config, accelerator)
     epoch, done = resume_position(meta)
-    accelerator.print(f"resuming from {shown}: step {meta['step']}, epoch {epoch}, {done} batches of it done")
+    note(logger, accelerator, f"resuming from {shown}: step {meta['step']}, epoch {epoch}, {done} batches of it done")
     if meta["step"] >= total_steps:
-        accelerator.print(f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to train")
+        note(logger, accelerator, f"the checkpoint already has {meta['step']} of {total_steps} steps: nothing left to "
+                                  "train")
         epoch, done = config.train.epochs, 0
     # Accelerate's count of micro-batches, loaded with the RNG state, was made with the saved run's accumulation
     # steps (and is missing for a process that run did not have); a checkpoint is at an optimizer step, where
@@ -190,8 +194,8 @@ def note_schedule_changes(shown: str, meta: dict, config: Config, accelerator: A
         keys += ["epochs", "max_steps"]
     changed = [f"train.{key} {saved.get(key)} -> {ours[key]}" for key in keys if saved.get(key) != ours[key]]
     if changed:
-        warn(accelerator, f"resuming {shown}: the LR schedule continues as saved there, ignoring "
-                           f"{', '.join(changed)}")
+        warn(logger, accelerator, f"resuming {shown}: the LR schedule continues as saved there, ignoring "
+                                   f"{', '.join(changed)}")
 
 
 class Damaged(Exception):

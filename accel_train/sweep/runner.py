@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import logging
 import os
 import signal
 import statistics
@@ -20,7 +21,6 @@ from pathlib import Path
 import yaml
 
 from accel_train.config import Config
-from accel_train.console import say
 from accel_train.errors import NothingCompleted, Preempted, UserError
 from accel_train.run.place import RunPlace
 from accel_train.run.summaries import duration
@@ -29,6 +29,8 @@ from accel_train.sweep.results import SWEEP_FILE
 from accel_train.sweep.space import Parameter, check_space, spell
 from accel_train.sweep.study import finished, new_trial, open_study, tell, unfinished
 from accel_train.sweep.trial import LOGS_DIR, TrialProcess, launch_prefix, trial_folder, trial_log
+
+logger = logging.getLogger(__name__)
 
 LOCK_FILE = "sweep.lock"
 POLL_S = 0.5
@@ -90,9 +92,9 @@ def run_sweep(sweep: Sweep) -> None:
             (sweep.folder / SWEEP_FILE).write_text(yaml.safe_dump(sweep.record(), sort_keys=False))
             done = len(finished(study))
             best = "highest" if sweep.direction == "max" else "lowest"
-            say(f"sweep: {sweep.trials} trial(s) of {sweep.recipe} ({done} done), searching "
-                f"{' '.join(p.spelled for p in sweep.parameters)} for the {best} {sweep.metric}; study in "
-                f"{sweep.shown(sweep.folder)}")
+            logger.info(f"sweep: {sweep.trials} trial(s) of {sweep.recipe} ({done} done), searching "
+                        f"{' '.join(p.spelled for p in sweep.parameters)} for the {best} {sweep.metric}; study in "
+                        f"{sweep.shown(sweep.folder)}")
             for trial in unfinished(study):  # a stopped sweep's: continued from its newest checkpoint
                 run_trial(sweep, study, trial, prefix, lock_fd, resumed=True)
             while len(finished(study)) < sweep.trials:
@@ -106,7 +108,7 @@ def run_sweep(sweep: Sweep) -> None:
         signal.signal(signal.SIGTERM, previous)
     lines = results.summary(sweep.folder, pictures=True)
     for line in lines:
-        say(sweep.shown(line))
+        logger.info(sweep.shown(line))
     if lines[-1] == results.NONE_COMPLETED:
         raise NothingCompleted(f"sweep: none of the {sweep.trials} trial(s) completed, so the sweep has no result; "
                                f"see each trial's error above and its log in {sweep.shown(sweep.folder / LOGS_DIR)}")
@@ -126,8 +128,8 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
     if not resumed:
         trial.set_user_attr("folder", folder.name)
     log = trial_log(sweep.folder, number)
-    say(f"trial {number}: {' '.join(values)}{' (resumed)' if resumed else ''}: {sweep.shown(folder)}, log "
-        f"{sweep.shown(log)}")
+    logger.info(f"trial {number}: {' '.join(values)}{' (resumed)' if resumed else ''}: {sweep.shown(folder)}, log "
+                f"{sweep.shown(log)}")
     reported = set(frozen_trial(study, number).intermediate_values)
     process = TrialProcess(command, folder, log, lock_fd)
     process.start()
@@ -146,7 +148,7 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
             time.sleep(POLL_S)
     except (KeyboardInterrupt, Interrupted) as stop:
         name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else "SIGTERM"
-        say(f"sweep: {name}: stopping trial {number}, which saves a checkpoint...")
+        logger.info(f"sweep: {name}: stopping trial {number}, which saves a checkpoint...")
         process.stop()
         code = process.wait()
         raise Preempted(f"sweep stopped by {name}; trial {number} {process.stopped_how(code)}; run the same command "
@@ -155,11 +157,11 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
     took = duration(results.wall_s(folder) or time.monotonic() - started)
     if pruned:
         tell(study, trial, "pruned")
-        say(f"trial {number}: pruned; it {process.stopped_how(code)} ({took})")
+        logger.info(f"trial {number}: pruned; it {process.stopped_how(code)} ({took})")
     elif code == 0 and evaluations:
         value = evaluations[-1][sweep.metric]
         tell(study, trial, "complete", value)
-        say(f"trial {number}: complete, {sweep.metric} {value:.4f} ({took})")
+        logger.info(f"trial {number}: complete, {sweep.metric} {value:.4f} ({took})")
     elif not process.stopped and process.saved_at() is not None:  # stopped from outside: the rerun resumes it
         raise Preempted(f"sweep stopped: trial {number} {process.stopped_how(code)}; run the same command again to "
                         "resume it and go on")
@@ -168,7 +170,7 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
         trial.set_user_attr("error", error)
         trial.set_user_attr("exit_code", code)
         tell(study, trial, "failed")
-        say(f"trial {number}: failed (exit {code}): {error}; log {sweep.shown(log)}")
+        logger.info(f"trial {number}: failed (exit {code}): {error}; log {sweep.shown(log)}")
 
 
 def report(sweep: Sweep, study, trial, process: TrialProcess, ordinal: int, line: dict) -> bool:
@@ -182,14 +184,15 @@ def report(sweep: Sweep, study, trial, process: TrialProcess, ordinal: int, line
         raise UserError(f"sweep: --metric {sweep.metric} is not in trial {trial.number}'s evaluations, which report "
                         f"{reported}; choose one of them")
     trial.report(float(value), ordinal)
-    say(f"trial {trial.number}: evaluation {ordinal} at step {line['step']} ({line['split']}): "
-        f"{sweep.metric} {value:.4f}")
+    logger.info(f"trial {trial.number}: evaluation {ordinal} at step {line['step']} ({line['split']}): "
+                f"{sweep.metric} {value:.4f}")
     if process.stopped or not trial.should_prune():
         return False
     others = [t.intermediate_values[ordinal] for t in finished(study)
               if t.state.name == "COMPLETE" and ordinal in t.intermediate_values]
     median = f"; the median of the complete trials there: {statistics.median(others):.4f}" if others else ""
-    say(f"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): stopping it")
+    logger.info(f"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
+                "stopping it")
     process.stop()
     return True
 
@@ -211,8 +214,8 @@ def warn_without_validation(sweep: Sweep, config: Config) -> None:
     """Choosing on the test set is the leak a validation split exists to prevent (ImageFolder may hold a val/)."""
     if not config.data.val_fraction and config.data.name != "imagefolder" and \
             not any(p.key == "data.val_fraction" for p in sweep.parameters):
-        say("accel-train: warning: sweep: no validation split, so trials are compared on the test split, which then "
-            "no longer measures unseen data; set data.val_fraction (e.g. 0.1)", error=True)
+        logger.warning("sweep: no validation split, so trials are compared on the test split, which then no longer "
+                       "measures unseen data; set data.val_fraction (e.g. 0.1)")
 
 
 def check_metric(sweep: Sweep, config: Config) -> None:
@@ -271,7 +274,8 @@ class SweepLock:
                 os.close(self.fd)
                 raise UserError(f"sweep: another sweep (process {owner}) is running in {self.path.parent}; let it "
                                 f"end, or stop it (kill {owner}: its trial saves a checkpoint), then run this again")
-            say("sweep: waiting for the processes of the stopped sweep's trial to end (it saves a checkpoint)...")
+            logger.info("sweep: waiting for the processes of the stopped sweep's trial to end (it saves a "
+                        "checkpoint)...")
             deadline = time.monotonic() + OLD_TRIAL_WAIT_S
             while not self._take():
                 if time.monotonic() > deadline:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from accel_train.console import say
+logger = logging.getLogger(__name__)
 
 WINDOWS = 3
 
@@ -82,8 +83,8 @@ def run_dropout_bench(output_dir: str, steps: int | None, quick: bool) -> dict:
             keyed = steps_per_s(make, batch, shape, True, compiled, steps, device)
             rows.append({"workload": name, "compiled": compiled, "torch_samples_per_s": torchs * batch,
                          "keyed_samples_per_s": keyed * batch, "keyed_over_torch": keyed / torchs})
-            say(f"bench --dropout: {name}{', compiled' if compiled else ''}: keyed {keyed * batch:.1f} samples/s, "
-                f"torch's {torchs * batch:.1f}: {keyed / torchs:.2f}x")
+            logger.info(f"bench --dropout: {name}{', compiled' if compiled else ''}: keyed {keyed * batch:.1f} "
+                        f"samples/s, torch's {torchs * batch:.1f}: {keyed / torchs:.2f}x")
     result = {"device": device.type, "machine": machine_info(), "steps_per_window": steps, "rows": rows}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

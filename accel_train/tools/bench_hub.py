@@ -16,6 +16,7 @@ output_dir): small enough that on a CPU the input pipeline, not the model, decid
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 
 from accel_train.config import Config, load_config
-from accel_train.console import say
 from accel_train.errors import UserError
 from accel_train.import_paths import source_of
+
+logger = logging.getLogger(__name__)
 
 WINDOWS = 3
 
@@ -60,9 +62,9 @@ def run_hub_bench(recipe: str, overrides: list[str], steps: int | None, rounds: 
     shutil.rmtree(out / "ours", ignore_errors=True)  # the bench's own runs: trained again each time
     ours, theirs = [], []
     for number in range(rounds):  # interleaved, best of each: load from other jobs hits both alike
-        say(f"bench --hub: round {number + 1}/{rounds}: Hugging Face's example loop")
+        logger.info(f"bench --hub: round {number + 1}/{rounds}: Hugging Face's example loop")
         theirs.append(example_loop(config, steps))
-        say(f"bench --hub: round {number + 1}/{rounds}: accel-train")
+        logger.info(f"bench --hub: round {number + 1}/{rounds}: accel-train")
         run = load_config(recipe, [*defaults, *overrides, *timing, f"output_dir={out / 'ours' / str(number)}"])
         api.train(run)
         ours.append(best_window([line for line in _lines(Path(run.output_dir)) if line["split"] == "train"]))

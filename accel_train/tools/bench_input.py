@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -31,8 +32,9 @@ from pathlib import Path
 import torch
 
 from accel_train.config import DataConfig, load_config
-from accel_train.console import say
 from accel_train.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 # ResNet-50 at 224 px with mixed precision on one A100: about 2,470 images/s (NVIDIA DeepLearningExamples' tables)
 DEMAND_IMAGES_PER_S = 2470.0
@@ -63,7 +65,7 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
     if not root_given and not (Path(data.root) / "train").is_dir():
         started = time.perf_counter()
         root = make_photo_folder(out / "photos", train=batch * (batches + WARMUP_BATCHES), test=batch)
-        say(f"bench --input: a folder of photographs at {root} ({time.perf_counter() - started:.0f} s)")
+        logger.info(f"bench --input: a folder of photographs at {root} ({time.perf_counter() - started:.0f} s)")
         data = dataclasses.replace(data, root=str(root))
     data = dataclasses.replace(data, synthetic=False, train_subset=None, eval_subset=None)
     size = data.image_size or 224
@@ -88,7 +90,7 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
         shutil.rmtree(at, ignore_errors=True)  # written again: a rerun's check would not see the folder change
         write_shards(data, str(at), images=images, shrink_to=None if images == "as_given" else resize,
                      splits=("train",))
-        say(f"bench --input: shards of {data.root} ({images}) at {at} ({time.perf_counter() - started:.0f} s)")
+        logger.info(f"bench --input: shards of {data.root} ({images}) at {at} ({time.perf_counter() - started:.0f} s)")
 
     rows = []
     recipe_transform = torchvision_recipe(size, mean, std)
@@ -127,8 +129,8 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
                 del loader
                 accelerator.free_memory()
             rows.append(row)
-            say(f"bench --input: {name}: " + (row.get("note") or f"{row['one_core']:,.0f} img/s on one core, "
-                                              f"{row['all_cores']:,.0f} on {cores}"))
+            logger.info(f"bench --input: {name}: " + (row.get("note") or f"{row['one_core']:,.0f} img/s on one core, "
+                                                      f"{row['all_cores']:,.0f} on {cores}"))
     for library, why in other_pipelines().items():
         rows.append({"path": library, "note": why})
     demand = demand or DEMAND_IMAGES_PER_S

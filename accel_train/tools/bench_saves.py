@@ -10,6 +10,7 @@ reuse: reported apart). The medians are printed, one line each, and returned.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import statistics
 import tempfile
@@ -17,9 +18,10 @@ import time
 from pathlib import Path
 
 from accel_train.config import load_config
-from accel_train.console import say
 from accel_train.run.place import RunPlace, run_folder_patience
 from accel_train.storage import Store
+
+logger = logging.getLogger(__name__)
 
 
 def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats: int = 3) -> dict:
@@ -41,8 +43,8 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
     size_mb = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters()) / 2**20
     scratch = Path(tempfile.mkdtemp(prefix="accel-train-bench-saves-"))
     where = url or str(scratch)
-    say(f"bench --saves: {config.model.name}, {size_mb:.0f} MiB of weights plus {config.train.optimizer}'s state, "
-        f"into {where}")
+    logger.info(f"bench --saves: {config.model.name}, {size_mb:.0f} MiB of weights plus {config.train.optimizer}'s "
+                f"state, into {where}")
     synchronous, blocked, total = [], [], []
     try:
         for repeat in range(repeats):
@@ -77,10 +79,11 @@ def run_saves_bench(recipe: str, overrides: list[str], url: str | None, repeats:
     result = {"synchronous_s": statistics.median(synchronous), "blocked_s": statistics.median(blocked),
               "first_blocked_s": first_blocked, "background_total_s": statistics.median(total)}
     result["blocked_share"] = result["blocked_s"] / result["synchronous_s"]
-    say(f"synchronous save (save_state, flushed{', uploaded' if url else ''}): {result['synchronous_s']:.2f} s")
-    say(f"background save: training blocked {result['blocked_s']:.3f} s ({result['blocked_share']:.1%} of the "
-        f"synchronous save; the run's first save {first_blocked:.3f} s, making its host buffers), written"
-        f"{' and uploaded' if url else ''} in {result['background_total_s']:.2f} s in all (medians of {repeats})")
+    logger.info(f"synchronous save (save_state, flushed{', uploaded' if url else ''}): {result['synchronous_s']:.2f} s")
+    logger.info(f"background save: training blocked {result['blocked_s']:.3f} s ({result['blocked_share']:.1%} of the "
+                f"synchronous save; the run's first save {first_blocked:.3f} s, making its host buffers), written"
+                f"{' and uploaded' if url else ''} in {result['background_total_s']:.2f} s in all "
+                f"(medians of {repeats})")
     return result
 
 

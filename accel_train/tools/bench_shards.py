@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
 
 from accel_train.config import Config, load_config
-from accel_train.console import say
 from accel_train.data import build_dataset, make_loader, start_epoch
 from accel_train.data.in_memory import pil_image
 from accel_train.data.shards.dataset import open_store, read_index
@@ -27,6 +27,8 @@ from accel_train.data.shards.writer import write_shards
 from accel_train.distributed.accelerator import make_accelerator
 from accel_train.distributed.devices import dataloader_workers
 from accel_train.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def run_shards_bench(recipe: str, overrides: list[str], url: str, batches: int | None) -> dict:
@@ -48,7 +50,7 @@ def _bench(recipe: str, config: Config, url: str, batches: int | None, tree: Pat
     data = dataclasses.replace(config.data, name="imagefolder", root=str(tree), image_size=side, train_subset=None,
                                eval_subset=None)
     write_shards(data, url, shard_mb=16)
-    say(f"bench --shards: the images and the shards ready in {time.perf_counter() - started:.0f} s")
+    logger.info(f"bench --shards: the images and the shards ready in {time.perf_counter() - started:.0f} s")
     shards = dataclasses.replace(data, name="shards", root=url)
     accelerator = make_accelerator(config.seed)
     batch, workers = config.train.batch_size, dataloader_workers(config.data.num_workers)
@@ -69,7 +71,7 @@ def _bench(recipe: str, config: Config, url: str, batches: int | None, tree: Pat
         rows.append({"source": "webdataset's own loader over the same shards", "samples_per_s": rate,
                      "samples": samples, "store_bytes": streamed})
     except ImportError:
-        say("bench --shards: webdataset is not installed (pip install webdataset): its row is left out")
+        logger.info("bench --shards: webdataset is not installed (pip install webdataset): its row is left out")
     result = {"recipe": recipe, "url": url, "batch_size": batch, "workers": workers, "image_size": side,
               "train_samples": len(source.dataset), "rows": rows}
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ optimization, are those of `train.batch_size` without accumulation.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from accelerate import Accelerator
@@ -18,12 +19,15 @@ from accelerate.utils import release_memory, send_to_device
 
 from accel_train import hooks
 from accel_train.config import Config, TrainConfig
+from accel_train.console import note
 from accel_train.data import Data, make_loader
 from accel_train.data.decode import model_input
 from accel_train.distributed.accelerator import divisors, shards_gradients
 from accel_train.distributed.collectives import processes_where
 from accel_train.errors import UserError
 from accel_train.training.memory import ran_out_of_memory
+
+logger = logging.getLogger(__name__)
 
 
 def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:
@@ -53,9 +57,10 @@ def fit_micro_batch(config: Config, accelerator: Accelerator, task, model: torch
     micro = find_micro_batch_size(config, accelerator, task, model, data)
     config.train.micro_batch_size, config.train.accumulation_steps = micro, per_process // micro
     sharded = f", the model sharded over {accelerator.num_processes} (FSDP)" if shards_gradients(accelerator) else ""
-    accelerator.print(f"train.micro_batch_size=auto: {micro} samples per process fit in {accelerator.device.type} "
-                      f"memory{sharded}; train.accumulation_steps={per_process // micro} makes up train.batch_size="
-                      f"{config.train.batch_size} over {accelerator.num_processes} process(es)")
+    note(logger, accelerator,
+         f"train.micro_batch_size=auto: {micro} samples per process fit in {accelerator.device.type} "
+         f"memory{sharded}; train.accumulation_steps={per_process // micro} makes up train.batch_size="
+         f"{config.train.batch_size} over {accelerator.num_processes} process(es)")
     return per_process // micro
 
 

@@ -22,12 +22,14 @@ agreeing before gather_for_metrics, so the metrics do not change.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import concatenate, find_batch_size, release_memory, slice_tensors
 
 from accel_train.config import TrainConfig
-from accel_train.console import warn
+from accel_train.console import note, warn
 from accel_train.distributed.accelerator import divisors, shards_gradients
 from accel_train.distributed.collectives import average_gradients, processes_where
 from accel_train.errors import UserError
@@ -36,6 +38,8 @@ from accel_train.state import Observer, State
 from accel_train.training.dropout import DropoutKeys
 from accel_train.training.memory import SMALLER_MODEL, ran_out_of_memory
 from accel_train.training.steps import StepTerms, eval_outputs, training_terms
+
+logger = logging.getLogger(__name__)
 
 
 def halves_on_out_of_memory(accelerator: Accelerator, auto: bool) -> bool:
@@ -64,8 +68,9 @@ class MicroBatchSize:
                 "micro-batch")
         if not smaller:
             raise UserError(f"{what}, the smallest (train.micro_batch_size=auto); {SMALLER_MODEL}")
-        warn(accelerator, f"{what}; continuing with {smaller} (train.accumulation_steps "
-                          f"{self.per_process // self.micro} -> {self.per_process // smaller}, the same global batch)")
+        warn(logger, accelerator,
+             f"{what}; continuing with {smaller} (train.accumulation_steps "
+             f"{self.per_process // self.micro} -> {self.per_process // smaller}, the same global batch)")
         change = {"step": step, "from": self.micro, "to": smaller, "processes": ran_out}
         self._take(smaller)
         return change
@@ -84,9 +89,10 @@ class MicroBatchSize:
         micro = max(size for size in divisors(self.loaded) if size <= max(1, state["micro_batch_size"]))
         if micro < self.micro:
             self._take(micro)
-            self.accelerator.print(f"train.micro_batch_size=auto: {micro} samples per process per forward pass (in "
-                                   f"chunks of the {self.loaded} loaded), as the checkpoint ran after running out of "
-                                   "memory with more")
+            note(logger, self.accelerator,
+                 f"train.micro_batch_size=auto: {micro} samples per process per forward pass (in "
+                 f"chunks of the {self.loaded} loaded), as the checkpoint ran after running out of "
+                 "memory with more")
 
 
 class AdaptiveStep:
@@ -184,4 +190,4 @@ class AdaptiveEval:
         if current // 2 < 1:
             raise UserError(f"{what}, the smallest (train.micro_batch_size=auto); {SMALLER_MODEL}")
         self.chunk = current // 2
-        warn(accelerator, f"{what}; evaluating {self.chunk} at a time from now on (the same metrics)")
+        warn(logger, accelerator, f"{what}; evaluating {self.chunk} at a time from now on (the same metrics)")

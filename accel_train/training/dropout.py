@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 
 import torch
@@ -25,6 +26,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from accel_train.console import warn
+from accel_train.workloads.models import DROPOUT_LAYERS
+
+logger = logging.getLogger(__name__)
 
 # splitmix64 (Steele, Lea and Flood 2014; Vigna's public-domain code) for a sample's 64-bit base, and Wellons's
 # lowbias32 for its elements: int32 arithmetic that wraps, in place, a quarter of splitmix64's bytes per element (on
@@ -35,7 +39,6 @@ _MIX_2 = 0x94D049BB133111EB - 2**64
 _LOWBIAS_1, _LOWBIAS_2 = 0x7FEB352D, 0x846CA68B - 2**32
 _INT32_MIN = -2**31
 _MASKS = {bits: (1 << (64 - bits)) - 1 for bits in (27, 30, 31)}  # a logical shift right of a signed int64
-KEYED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _SELU_ALPHA_PRIME = -1.7580993408473766  # -SELU's lambda * alpha: what alpha dropout sets dropped units to
 
 
@@ -115,10 +118,11 @@ class DropoutKeys:
     def _say(self, found: dict[str, str]) -> None:
         listed = "; ".join(f"{name} ({how})" for name, how in list(found.items())[:6])
         more = f" and {len(found) - 6} more" if len(found) > 6 else ""
-        warn(self, f"dropout that cannot be keyed by sample: {len(found)} layer(s) draw it inside their forward, "
-                   f"{listed}{more}; their masks are torch's, drawn per process, so a run with them trains alike at "
-                   "another world size only within their noise (docs/contracts.md; model.dropout=false removes "
-                   "the layers' own dropout, a model's config its attention dropout)")
+        warn(logger, self,
+             f"dropout that cannot be keyed by sample: {len(found)} layer(s) draw it inside their forward, "
+             f"{listed}{more}; their masks are torch's, drawn per process, so a run with them trains alike at "
+             "another world size only within their noise (docs/contracts.md; model.dropout=false removes "
+             "the layers' own dropout, a model's config its attention dropout)")
 
 
 class KeyedDropout(nn.Module):
@@ -167,7 +171,7 @@ def key_dropout(model: nn.Module, seed: int, accelerator) -> DropoutKeys:
     keys = DropoutKeys(accelerator.is_main_process, accelerator.device)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) in KEYED and float(child.p) > 0:
+            if type(child) in DROPOUT_LAYERS and float(child.p) > 0:
                 setattr(module, child_name, KeyedDropout(child, keys, layer_salt(seed, f"{name}.{child_name}")))
                 keys.layers += 1
     return keys

@@ -17,7 +17,7 @@ from itertools import chain
 
 import torch
 from accelerate import Accelerator
-from torch.optim.swa_utils import AveragedModel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from accel_train.errors import UserError
 
@@ -26,7 +26,9 @@ class AveragedOnDevice(AveragedModel):
     """torch's EMA of a model's parameters and buffers, on `device`, updated without a host read."""
 
     def __init__(self, model: torch.nn.Module, decay: float, device: torch.device) -> None:
-        super().__init__(model, device=device, use_buffers=True)
+        # torch's public EMA of a list of tensors, in place (a for-each lerp: one kernel a device and dtype); our
+        # update_parameters calls it without AveragedModel's host read
+        super().__init__(model, device=device, use_buffers=True, multi_avg_fn=get_ema_multi_avg_fn(decay))
         self.decay = decay
         self.copies_next = True  # the first update copies the weights; a restored average has had its first
 
@@ -39,7 +41,7 @@ class AveragedOnDevice(AveragedModel):
             for average, now in floats:
                 average.copy_(now)
         elif floats:
-            torch._foreach_lerp_([average for average, _ in floats], [now for _, now in floats], 1 - self.decay)
+            self.multi_avg_fn([average for average, _ in floats], [now for _, now in floats], self.n_averaged)
         for average, now in pairs:
             if not average.is_floating_point():  # counters (BatchNorm's batches seen) follow the model
                 average.copy_(now)

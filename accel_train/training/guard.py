@@ -18,6 +18,7 @@ in one line saying which steps overflowed and where the scale went.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -27,6 +28,8 @@ from accel_train.config import TrainConfig
 from accel_train.console import warn
 from accel_train.errors import NonFiniteError
 from accel_train.state import Progress
+
+logger = logging.getLogger(__name__)
 
 
 def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | None:
@@ -134,7 +137,7 @@ class NonFiniteGuard:
         self.skipped_in_start += bad_steps
         skipped = "step skipped on every process" if bad_steps == 1 else \
             f"{bad_steps} steps skipped on every process between steps {first_step} and {step}"
-        warn(self.accelerator, f"{report}; {skipped} (train.on_nonfinite=skip)")
+        warn(logger, self.accelerator, f"{report}; {skipped} (train.on_nonfinite=skip)")
 
     def refuse_a_start_without_an_applied_step(self, progress: Progress, resumed_at: int) -> None:
         """At the end (every process, with `check`'s host read): a start whose every step was skipped as

@@ -34,6 +34,8 @@ stops is named, and the job ends.
 
 from __future__ import annotations
 
+import logging
+
 from accel_train import hooks
 from accel_train.config import Config
 from accel_train.console import note
@@ -47,6 +49,8 @@ from accel_train.training.guard import clip_gradients
 from accel_train.training.memory import out_of_memory_stops
 from accel_train.training.setup import Run, set_up
 from accel_train.workloads.tasks import Task
+
+logger = logging.getLogger(__name__)
 
 
 def train(config: Config, task: Task, trackers: list[str], place: RunPlace, *, model=None, train_dataset=None,
@@ -91,7 +95,7 @@ def train(config: Config, task: Task, trackers: list[str], place: RunPlace, *, m
                 if stopping:
                     raise Preempted(signals.stop_message(progress.step, saved))
                 if stop_early:
-                    note(accelerator, f"{run.selection.describe_stop()}: stopped at step {progress.step}")
+                    note(logger, accelerator, f"{run.selection.describe_stop()}: stopped at step {progress.step}")
                     break
         final = finish(run)
     finish_command(accelerator)  # the trackers finish; the process group ends with the process

@@ -127,7 +127,6 @@ class AppliedStepsLR(LRScheduler):
         self.device = device or next((param.device for group in optimizer.param_groups for param in group["params"]),
                                      torch.device("cpu"))
         self.last_epoch = 0  # steps taken, applied or skipped (LRScheduler's name for it)
-        self._step_count = 1
         self.applied = torch.zeros((), dtype=torch.long, device=self.device)
         self._make_table(factor.total_steps)
 
@@ -156,7 +155,6 @@ class AppliedStepsLR(LRScheduler):
     def step(self, skipped: torch.Tensor | None = None) -> None:
         """After an optimizer step; `skipped` (a device flag, 1 = skipped) leaves the schedule where it was."""
         self.last_epoch += 1
-        self._step_count += 1
         self.applied += 1 if skipped is None else (skipped == 0).long()
         self._set_lrs()
 

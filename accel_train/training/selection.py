@@ -9,6 +9,7 @@ state, so a resumed run selects and stops as the uninterrupted one would.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,10 +17,13 @@ import torch
 from accelerate import Accelerator
 
 from accel_train.config import Config
+from accel_train.console import warn
 from accel_train.distributed.collectives import any_process
 from accel_train.errors import UserError, did_you_mean
 from accel_train.run.layout import BEST_FILE
 from accel_train.run.weights import export
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +57,13 @@ class ModelSelection:
                                   train.early_stop_mode or checkpoint.best_mode,
                                   train.early_stop_min_delta) if self.patience else None
         self.stopped = False  # early stopping has ended the run
+
+    def warn_if_choosing_on(self, split: str) -> None:
+        """Say so where best_metric or early stopping choose on the test set (`split`: no validation split)."""
+        if (self.best is not None or self.patience) and split == "test":
+            warn(logger, self.accelerator, "checkpoint.best_metric / train.early_stop_patience choose on the test set, "
+                 "which then no longer measures unseen data; set data.val_fraction (e.g. 0.1) to choose on a "
+                 "validation split")
 
     def update(self, metrics: dict, model: torch.nn.Module) -> bool:
         """After an evaluation on the validation split, with the model it evaluated: export model_best.safetensors

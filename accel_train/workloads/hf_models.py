@@ -20,6 +20,7 @@ from torch import nn
 from accel_train.config import ModelConfig
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.versions import check_versions
+from accel_train.workloads.heads import replace_head
 from accel_train.workloads.inputs import InputDefaults
 
 INSTALL = "pip install 'accel-train[hub]'"
@@ -128,8 +129,6 @@ def build(cfg: ModelConfig, num_classes: int, classes: list[str] | None) -> nn.M
                                 "weights_only) if you trust its source") from None
             raise
     if saved.num_labels == num_classes and [saved.id2label[index] for index in range(num_classes)] != names:
-        from accel_train.workloads.models import replace_head
-
         replace_head(model, num_classes, num_classes)  # the same count of other classes: a head of its own
     return model
 
@@ -138,13 +137,12 @@ PICKLED = "pytorch_model.bin"
 
 
 def _has_pickled_weights(transformers, cfg: ModelConfig) -> bool:
-    """Whether the repository (cached, reachable or a folder) holds weights as a pickle."""
+    """Whether the repository (a folder, cached, or reachable) holds weights as a pickle, without downloading them;
+    offline (HF_HUB_OFFLINE=1) the cache answers."""
     try:
-        found = transformers.utils.cached_file(repository(cfg), PICKLED, revision=cfg.revision,
-                                               _raise_exceptions_for_missing_entries=False)
-    except OSError:
+        return transformers.utils.has_file(repository(cfg), PICKLED, revision=cfg.revision)
+    except OSError:  # a repository or revision that is not there: the load's own error says so
         return False
-    return found is not None
 
 
 def export(model: nn.Module, cfg: ModelConfig, data, classes: list[str], folder: Path) -> list[str]:

@@ -13,9 +13,12 @@ from accel_train.config import ModelConfig
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 from accel_train.import_paths import building, check_call, import_object, is_given_object, is_import_path, source_of
 from accel_train.registry import Registry
+from accel_train.workloads.heads import replace_head
 from accel_train.workloads.inputs import InputDefaults
 
 MODELS: Registry[nn.Module] = Registry("model", "model.name")
+# Every kind of dropout layer torch has: model.dropout=false removes them, train.keyed_dropout keys them
+DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @MODELS.register("mnist_cnn")
@@ -221,29 +224,9 @@ def pretrained_model(name: str, num_classes: int) -> nn.Module:
     return model
 
 
-def replace_head(model: nn.Module, pretrained_classes: int, num_classes: int) -> nn.Module:
-    """Replace the last layer that outputs the weights' classes (Linear, or 1x1 Conv2d as in SqueezeNet) by a new
-    one for `num_classes`, initialised as torchvision initialises a fresh one. Returns the new layer."""
-    found = [(name, module) for name, module in model.named_modules()
-             if (isinstance(module, nn.Linear) and module.out_features == pretrained_classes)
-             or (isinstance(module, nn.Conv2d) and module.out_channels == pretrained_classes)]
-    if not found:
-        raise UserError(f"model.pretrained=true: no output layer of {pretrained_classes} classes found in "
-                        f"{type(model).__name__} to replace by one of {num_classes}")
-    name, old = found[-1]
-    if isinstance(old, nn.Linear):
-        new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
-    else:
-        new = nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride, old.padding,
-                        bias=old.bias is not None)
-    parent_name, _, attribute = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, attribute, new)
-    return new
-
-
 def remove_dropout(model: nn.Module) -> None:
     for name, child in model.named_children():
-        if isinstance(child, nn.modules.dropout._DropoutNd):
+        if isinstance(child, DROPOUT_LAYERS):
             setattr(model, name, nn.Identity())
         else:
             remove_dropout(child)

@@ -69,27 +69,25 @@ def test_a_global_batch_that_does_not_split_across_processes_is_refused_naming_t
     assert per_process_batch(66, three, "train.batch_size") == 22
 
 
-def test_sync_batchnorm_on_cpu_processes_says_it_is_ignored_and_on_gpus_converts_every_batchnorm():
+def test_sync_batchnorm_on_cpu_processes_says_it_is_ignored_and_on_gpus_converts_every_batchnorm(capsys):
     from types import SimpleNamespace
 
     import torch
 
     from accel_train.distributed.accelerator import maybe_sync_batchnorm
 
-    said = []
-
     def model():
         return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4))
 
     def processes(n, device):
-        return SimpleNamespace(num_processes=n, device=torch.device(device), print=said.append)
+        return SimpleNamespace(num_processes=n, device=torch.device(device), is_main_process=True)
 
     cpu_model = model()
     assert maybe_sync_batchnorm(cpu_model, True, processes(2, "cpu")) is cpu_model
-    assert said == ["model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process keeps its own "
-                    "statistics"]
+    assert capsys.readouterr().out == ("model.sync_batchnorm ignored: SyncBatchNorm needs a GPU; each CPU process "
+                                       "keeps its own statistics\n")
     converted = maybe_sync_batchnorm(model(), True, processes(2, "cuda"))  # converting needs no GPU
     assert [type(m).__name__ for m in converted.modules()].count("SyncBatchNorm") == 2
     assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in maybe_sync_batchnorm(model(), True,
                                                                                        processes(1, "cuda")).modules())
-    assert len(said) == 1  # 1 process, or the switch off: nothing to say
+    assert capsys.readouterr().out == ""  # 1 process, or the switch off: nothing to say

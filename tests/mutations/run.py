@@ -210,7 +210,7 @@ MUTATIONS = [
              "    found = []\n",
              ("tests/run_folder/test_eval_predict_and_resume_read_the_run_folder.py::test_a_setting_that_contradicts_the_run_is_refused_naming_the_key_and_both_values",)),
     Mutation("the checkpoint line printed over the progress bar",
-             "accel_train/run/checkpoint.py", 'say(f"checkpoint step', 'print(f"checkpoint step',
+             "accel_train/run/checkpoint.py", 'logger.info(f"checkpoint step', 'print(f"checkpoint step',
              ("tests/run_folder/test_watching_a_run.py::test_the_demo_in_a_terminal_shows_no_warning_and_an_unbroken_bar",)),
     # guard.py, NonFiniteGuard.step: the flag of this process's terms reduced (max) over every process. A NaN loss
     # reaches the gradients, whose all-reduce spreads it anyway; a non-finite loss value whose gradients stay
@@ -238,7 +238,7 @@ MUTATIONS = [
     # setup.py: the micro-steps per optimizer step that Accelerate's accumulate() counts (sync, all-reduce, step)
     # and divides the loss by, one more than the micro-batches the loader cuts a step's batch into.
     Mutation("the accumulation boundary off by one (an optimizer step every accumulation + 1 micro-batches)",
-             "accel_train/training/setup.py", "accelerator.gradient_accumulation_steps = accumulation",
+             "accel_train/training/preparation.py", "accelerator.gradient_accumulation_steps = accumulation",
              "accelerator.gradient_accumulation_steps = accumulation + 1",
              ("tests/contracts/test_accumulation_trains_like_one_global_batch.py::test_accumulation_trains_like_one_batch_of_the_same_global_size",)),
     # data/validation.py, hold_out_validation: the training set is what is left after the held-out samples.
@@ -316,10 +316,7 @@ MUTATIONS = [
     # sweep/runner.py, report: a trial the pruner rejects is sent SIGTERM, so it saves and exits 75.
     Mutation("a pruned trial is not stopped (it trains to the end, only recorded as pruned)",
              "accel_train/sweep/runner.py",
-             "    say(f\"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
-             "stopping it\")\n    process.stop()\n",
-             "    say(f\"trial {trial.number}: pruned at evaluation {ordinal} ({sweep.metric} {value:.4f}{median}): "
-             "stopping it\")\n",
+             "                \"stopping it\")\n    process.stop()\n", "                \"stopping it\")\n",
              ("tests/tools/test_sweep.py::-k six_trial",)),
     # sweep/trial.py, _dies_with_the_sweep: a killed sweep's trial gets SIGTERM and saves, so the rerun resumes it.
     Mutation("a killed sweep leaves its trial training alone (no SIGTERM from the kernel)",
@@ -357,8 +354,8 @@ MUTATIONS = [
              "data_seed=seed),",
              ("tests/training/test_step_boundaries.py::test_batches_for_a_gpu_come_from_pinned_memory_and_reach_it_without_blocking",)),
     Mutation("the EMA's counter on the CPU (copied to the device at every update)",
-             "accel_train/training/ema.py", "super().__init__(model, device=device, use_buffers=True)",
-             "super().__init__(model, use_buffers=True)",
+             "accel_train/training/ema.py", "super().__init__(model, device=device, use_buffers=True,",
+             "super().__init__(model, use_buffers=True,",
              ("tests/training/test_step_boundaries.py::test_the_weights_average_lives_on_the_models_device_and_updates_without_moving_anything",)),
     Mutation("the EMA updated by AveragedModel's own update (its counter read on the host at every step)",
              "accel_train/training/ema.py",
@@ -482,8 +479,8 @@ MUTATIONS = [
              "    if not (copy.is_file() or (copy / CONFIG_FILE).is_file() or (copy / MODEL_FILE).is_file()):",
              "    if False:", ("tests/run_folder/test_run_folder_in_object_storage.py::-k init_from",)),
     Mutation("plot of one run at a URL draws curves.png into the current folder",
-             "accel_train/cli.py", '        beside_url = "output" not in given and',
-             '        beside_url = False and "output" not in given and',
+             "accel_train/cli.py", '    beside_url = "output" not in given and',
+             '    beside_url = False and "output" not in given and',
              ("tests/run_folder/test_run_folder_in_object_storage.py::-k eval_predict_runs_plot",)),
     Mutation("bench --shards reports a window too short to time (batches made before the clock, read in no time)",
              "accel_train/tools/bench_shards.py", "    if timed < needed:", "    if False:",
@@ -495,8 +492,8 @@ MUTATIONS = [
              ("tests/data/test_shards_made_to_be_read_fast.py::test_the_registrys_uint8_pixels_finished_on_the_device_are_the_float_paths_inputs",)),
     Mutation("bench --saves-into and --shards take a mistyped URL (s3:/bucket) for a local folder",
              "accel_train/cli.py",
-             "            if location:  # s3:/bucket would become a local folder named \"s3:\"",
-             "            if False:",
+             "        if location:  # s3:/bucket would become a local folder named \"s3:\"",
+             "        if False:",
              ("tests/errors/test_bad_inputs_are_one_line_and_lose_nothing.py::-k mistyped_url and bench",)),
     Mutation("a stopping process restores the default signal handlers before its checkpoint is committed",
              "accel_train/training/loop.py",
@@ -552,6 +549,15 @@ MUTATIONS = [
              "accel_train/workloads/hf_models.py", "use_safetensors=None if cfg.allow_pickled_weights else True",
              "use_safetensors=None",
              ("tests/workloads/test_hub_models_and_datasets.py::test_weights_only_in_a_pickle_load_only_when_allowed",)),
+    Mutation("the LR schedule stepped by Accelerate's wrapper with the optimizer (a call it does not sync dropped)",
+             "accel_train/distributed/accelerator.py", "step_scheduler_with_optimizer=False",
+             "step_scheduler_with_optimizer=True",
+             ("tests/training/test_step_boundaries.py::test_the_loop_alone_moves_the_lr_schedule_even_on_a_micro_step_accelerate_would_not_sync",)),
+    Mutation("pickled weights looked for in a local folder only (a Hub name's cache not asked)",
+             "accel_train/workloads/hf_models.py",
+             "        return transformers.utils.has_file(repository(cfg), PICKLED, revision=cfg.revision)",
+             "        return (Path(repository(cfg)) / PICKLED).is_file()",
+             ("tests/workloads/test_hub_models_and_datasets.py::test_hub_names_resolve_from_the_cache_offline_and_a_name_it_lacks_is_one_line_exit_3",)),
 ]
 
 

@@ -84,6 +84,34 @@ def test_the_room_check_reads_imports_inside_functions_relative_ones_and_names_f
     assert {room_of(name) for name in found} == {"run", "training", "hooks", "api"}
 
 
+
+def circles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach each other through their imports (more than one module each)."""
+    def reached(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for target in imports.get(todo.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        return seen
+
+    reach = {module: reached(module) for module in imports}
+    groups = {tuple(sorted(other for other in reach[module] if module in reach[other]))
+              for module in imports if module in reach[module]}
+    return sorted(list(group) for group in groups if len(group) > 1)
+
+
+def test_no_modules_import_each_other_in_a_circle_not_even_from_inside_a_function():
+    # a package's __init__.py is the module its importers name: data/__init__.py is accel_train.data
+    paths = {module_name(path).removesuffix(".__init__"): path for path in PACKAGE.rglob("*.py")}
+    imports = {module: imported_modules(path.read_text(), module, path.name == "__init__.py") & paths.keys()
+               for module, path in paths.items()}
+    found = circles(imports)
+    assert not found, "modules that import each other (move what both need into a module of its own):\n" + \
+        "\n".join(" <-> ".join(group) for group in found)
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
 # --- tests reach inside through hooks ---------------------------------------------------------------------------------
 
 REACHING_IN = [TESTS / "launched_probe.py", *sorted((TESTS / "support").glob("*.py"))]

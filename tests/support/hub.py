@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 COLOURS = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
@@ -26,7 +27,9 @@ def tiny_vit(folder: Path, classes: list[str] | None = None, side: int = 16, mea
                        intermediate_size=32, hidden_dropout_prob=dropout, num_labels=len(classes),
                        id2label=dict(enumerate(classes)),
                        label2id={name: index for index, name in enumerate(classes)})
-    ViTForImageClassification(config).save_pretrained(folder)
+    with torch.random.fork_rng():  # the same weights whatever the global stream holds: a test's numbers are fixed
+        torch.manual_seed(0)
+        ViTForImageClassification(config).save_pretrained(folder)
     ViTImageProcessor(size={"height": side, "width": side}, image_mean=[mean] * 3, image_std=[0.25] * 3,
                       resample=3).save_pretrained(folder)
     return folder
@@ -41,7 +44,9 @@ def tiny_resnet(folder: Path, classes: list[str] | None = None) -> Path:
     config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
                           num_labels=len(classes), id2label=dict(enumerate(classes)),
                           label2id={name: index for index, name in enumerate(classes)})
-    ResNetForImageClassification(config).save_pretrained(folder)
+    with torch.random.fork_rng():  # the same weights whatever the global stream holds
+        torch.manual_seed(0)
+        ResNetForImageClassification(config).save_pretrained(folder)
     ConvNextImageProcessor(size={"shortest_edge": 16}, crop_pct=0.8, image_mean=[0.485, 0.456, 0.406],
                            image_std=[0.229, 0.224, 0.225]).save_pretrained(folder)
     return folder

@@ -109,6 +109,19 @@ def test_attention_dropout_inside_a_transformers_model_is_named_by_its_layer(tmp
     assert re.search(named, warning), warning
 
 
+def test_the_one_list_of_dropout_layers_holds_every_kind_torch_has_and_model_dropout_false_removes_each():
+    """A kind torch adds is neither keyed nor removed until it is in the list: this names it."""
+    from accel_train.workloads.models import DROPOUT_LAYERS, remove_dropout
+
+    torchs = {kind for kind in vars(nn).values()
+              if isinstance(kind, type) and issubclass(kind, nn.Module) and "Dropout" in kind.__name__}
+    assert torchs == set(DROPOUT_LAYERS), torchs ^ set(DROPOUT_LAYERS)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(*(kind(0.1) for kind in DROPOUT_LAYERS)))
+    remove_dropout(model)
+    assert [type(module).__name__ for module in model.modules()][1:] == ["Linear", "Sequential",
+                                                                         *["Identity"] * len(DROPOUT_LAYERS)]
+
+
 def test_the_switch_keeps_torchs_own_dropout_and_model_dropout_false_removes_it(tmp_path):
     from accel_train import hooks
 

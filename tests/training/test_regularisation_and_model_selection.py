@@ -285,3 +285,21 @@ def test_a_selection_metric_a_task_did_not_name_beforehand_is_checked_at_the_fir
                                         r"eval reports mae, mse, num_samples"):
         selection.update({"num_samples": 4, "mse": 0.5, "mae": 0.4}, model=None)
     assert not (tmp_path / "model_best.safetensors").exists()
+
+
+@pytest.mark.parametrize("keys, split, warned", [
+    (["checkpoint.best_metric=accuracy"], "test", True),
+    (["train.early_stop_patience=2", "train.early_stop_metric=loss"], "test", True),
+    (["checkpoint.best_metric=accuracy"], "val", False),
+    ([], "test", False),
+])
+def test_choosing_the_best_model_or_stopping_early_on_the_test_set_is_warned_of(keys, split, warned, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from accel_train.training.selection import ModelSelection
+
+    selection = ModelSelection(load_config("mnist_cnn", keys), SimpleNamespace(is_main_process=True), tmp_path)
+    selection.warn_if_choosing_on(split)
+    said = capsys.readouterr().err
+    assert ("accel-train: warning: checkpoint.best_metric / train.early_stop_patience choose on the test set" in said) \
+        == warned, said

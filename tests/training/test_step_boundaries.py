@@ -371,3 +371,31 @@ def test_the_lr_schedule_stays_where_it_was_on_a_skipped_step_and_its_state_roun
     earlier.load_state_dict({"base_lrs": [0.1, 0.1], "last_epoch": 4, "_step_count": 5, "_last_lr": [0.0, 0.0],
                              "lr_lambdas": [dict(vars(factor))]})
     assert float(earlier.get_last_lr()[0]) == 0.1 * factor(4)
+
+
+def test_the_loop_alone_moves_the_lr_schedule_even_on_a_micro_step_accelerate_would_not_sync():
+    """Accelerate's scheduler wrapper, stepped with the optimizer, drops a call on a micro-step it does not sync (and
+    may count it in the scheduler's private `_step_count`, which AppliedStepsLR does not keep): our Accelerator passes
+    every call through, and the schedule moves by what the loop tells it."""
+    from accel_train.config import TrainConfig
+    from accel_train.distributed.accelerator import make_accelerator
+    from accel_train.training.optim import build_optimizer, build_scheduler
+
+    accelerator = make_accelerator(seed=0)
+    cfg = TrainConfig(schedule="cosine", lr=0.1, epochs=1)
+    model = torch.nn.Linear(2, 1)
+    optimizer = build_optimizer(cfg, model)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(cfg, optimizer, 5))
+    accelerator.gradient_accumulation_steps = 2
+    try:
+        with accelerator.accumulate(model):  # the first of two micro-batches: no sync
+            pass
+        assert not accelerator.sync_gradients
+        scheduler.step(torch.tensor(0.0))
+        scheduler.step(torch.tensor(1.0))  # a skipped step: the schedule stays
+        assert int(scheduler.scheduler.applied) == 1
+        assert float(scheduler.get_last_lr()[0]) == 0.1 * scheduler.scheduler.factor(1)
+    finally:
+        with accelerator.accumulate(model):  # the second: Accelerate's state back in step for the next test
+            pass
+        accelerator.gradient_accumulation_steps = 1

@@ -119,11 +119,17 @@ def test_a_repository_with_code_of_its_own_runs_it_only_with_trust_remote_code(h
     assert not marker.exists()
 
 
+def only_pickled(model, folder):
+    """A copy of the saved `model` whose weights are only a pytorch_model.bin, as older uploads are."""
+    pickled = shutil.copytree(model, folder)
+    torch.save(load_file(str(pickled / "model.safetensors")), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    return pickled
+
+
 @pytest.mark.floors
 def test_weights_only_in_a_pickle_load_only_when_allowed(hub, tmp_path):
-    pickled = shutil.copytree(hub["vit"], tmp_path / "pickled")
-    torch.save(load_file(str(pickled / "model.safetensors")), pickled / "pytorch_model.bin")  # as older uploads are
-    (pickled / "model.safetensors").unlink()
+    pickled = only_pickled(hub["vit"], tmp_path / "pickled")
     config = load_config("imagefolder", [f"model.name=hf:{pickled}", "model.pretrained=true"]).model
 
     with pytest.raises(UserError, match=r"the repository has no safetensors weights, only a pickled file "
@@ -140,6 +146,7 @@ def test_hub_names_resolve_from_the_cache_offline_and_a_name_it_lacks_is_one_lin
     home = tmp_path / "hf_home"
     into_cache(home, "models", "tiny/vit", hub["vit"])
     into_cache(home, "datasets", "tiny/colours", hub["parquet"])
+    into_cache(home, "models", "tiny/pickled", only_pickled(hub["vit"], tmp_path / "pickled"))
     env = {"HF_HOME": str(home)}
     run_cli("train", "imagefolder", "data.name=hf:tiny/colours", "model.name=hf:tiny/vit", "model.pretrained=true",
             *TRAINING, "train.max_steps=2", f"output_dir={tmp_path / 'run'}", env=env)
@@ -156,6 +163,11 @@ def test_hub_names_resolve_from_the_cache_offline_and_a_name_it_lacks_is_one_lin
         assert result.returncode == 3 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
         assert all(words in errors[0] for words in named), errors[0]
         assert not (tmp_path / "refused").exists()
+    # a cached repository whose weights are only a pickle: the cache says so, offline, without loading it
+    result = run_cli("train", "imagefolder", "data.name=hf:tiny/colours", "model.name=hf:tiny/pickled",
+                     "model.pretrained=true", f"output_dir={tmp_path / 'pickled_run'}", env=env, check=False)
+    assert result.returncode == 2 and "the repository has no safetensors weights, only a pickled file " \
+        "(pytorch_model.bin); set model.allow_pickled_weights=true" in result.stderr, result.stderr
 
 
 @pytest.mark.floors

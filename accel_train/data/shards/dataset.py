@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,7 +17,6 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
-from accel_train.console import say
 from accel_train.data.classes import labelled_by
 from accel_train.data.decode import Crops, decode_image_bytes, shrunk
 from accel_train.data.imagefolder import (
@@ -47,6 +47,8 @@ from accel_train.data.shards.format import (
 from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.storage import Store, check_location
+
+logger = logging.getLogger(__name__)
 
 WRITE_HINT = "write them with accel-train shard RECIPE output=URL (or index tars of your own with accel-train shard " \
              "index URL)"
@@ -306,10 +308,10 @@ def _warn_of_a_cache_below_a_window(cfg: DataConfig, index: SplitIndex) -> None:
     read: the run stays correct, but downloads each block again for about every sample (measured: 10 samples/s)."""
     window = min(cfg.shuffle_window_shards, len(index.shards)) * index.bytes / len(index.shards)
     if cfg.cache_gb * 1e9 < window and launcher_environment().is_reporting_process:
-        say(f"accel-train: warning: data.cache_gb={cfg.cache_gb:g} holds less than one window of shards "
-            f"(data.shuffle_window_shards={cfg.shuffle_window_shards}, {window / 1e9:.2g} GB): blocks are downloaded "
-            "again and again, and training is slow; raise data.cache_gb, or lower data.shuffle_window_shards",
-            error=True)
+        logger.warning(f"data.cache_gb={cfg.cache_gb:g} holds less than one window of shards "
+                       f"(data.shuffle_window_shards={cfg.shuffle_window_shards}, {window / 1e9:.2g} GB): blocks are "
+                       "downloaded again and again, and training is slow; raise data.cache_gb, or lower "
+                       "data.shuffle_window_shards")
 
 
 def under_subsets(dataset) -> tuple[Dataset, np.ndarray | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import tarfile
 import time
@@ -24,7 +25,7 @@ from PIL import Image
 from torch.utils.data import Subset
 
 from accel_train.config import DataConfig
-from accel_train.console import say
+from accel_train.console import bar_disabled
 from accel_train.data.decode import decode_image_bytes, shrunk, unreadable_image
 from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, own_validation_folder
 from accel_train.data.in_memory import InMemoryImages, pil_image
@@ -51,6 +52,8 @@ from accel_train.data.torchvision_sets import SOURCES
 from accel_train.errors import UnreadableFileError, UserError
 from accel_train.import_paths import source_of
 from accel_train.storage import Store, check_location, is_remote
+
+logger = logging.getLogger(__name__)
 
 JPEG_QUALITY = 90  # images=jpeg: the usual quality of a photograph (and of the bench's folder of them)
 SHARD_MB = 256  # webdataset's advice: shards of 100 MB to 1 GB
@@ -304,9 +307,9 @@ def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block
     store.remove(WRITING_FILE)
     samples = " and ".join(f"{index.samples:,} {index.split}" for index in written)
     shards, size = sum(len(index.shards) for index in written), sum(index.bytes for index in written)
-    say(f"shard: wrote {samples} samples in {shards} shards ({size / 1e6:,.1f} MB) to {store.location} in "
-        f"{time.monotonic() - started:.1f} s; train from them with: accel-train train {recipe or 'RECIPE'} "
-        f"data.name=shards data.root={store.location}{' data.args={}' if cfg.args else ''}")
+    logger.info(f"shard: wrote {samples} samples in {shards} shards ({size / 1e6:,.1f} MB) to {store.location} in "
+                f"{time.monotonic() - started:.1f} s; train from them with: accel-train train {recipe or 'RECIPE'} "
+                f"data.name=shards data.root={store.location}{' data.args={}' if cfg.args else ''}")
 
 
 def _check_folder(output: str) -> None:
@@ -341,7 +344,7 @@ def _already_written(store: Store, settings: dict) -> bool:
             raise UserError(f"shard: {store.location} holds a write cut short of other settings "
                             f"({_differences(before, settings)}); run it again with those, or give another output= "
                             "(or remove that one)")
-        say(f"shard: finishing the write to {store.location} that was cut short")
+        logger.info(f"shard: finishing the write to {store.location} that was cut short")
         return False
     indexes = [_recorded(store, f"{split}/{INDEX_FILE}", SplitIndex.from_json) for split in SPLITS
                if store.exists(f"{split}/{INDEX_FILE}")]
@@ -351,8 +354,8 @@ def _already_written(store: Store, settings: dict) -> bool:
             raise UserError(f"shard: {store.location} already holds shards of other settings "
                             f"({_differences(before, settings)}); give another output= (or remove that one)")
         held = ", ".join(f"{index.samples:,} {index.split}" for index in indexes)
-        say(f"shard: {store.location} already holds these shards complete ({held} samples in "
-            f"{sum(len(index.shards) for index in indexes)} shards); nothing to do")
+        logger.info(f"shard: {store.location} already holds these shards complete ({held} samples in "
+                    f"{sum(len(index.shards) for index in indexes)} shards); nothing to do")
         return True
     for split in SPLITS:
         if store.names(split):
@@ -386,8 +389,9 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
         shards.append(shard)
         pending, pending_bytes = [], 0
 
-    # disable=None: no bar when stderr is not a terminal (a log file would get every redraw); the summary stays
-    with tqdm(total=source.count, initial=first, desc=f"shard {source.split}", unit="samples", disable=None) as bar:
+    # no bar in a log file (it would get every redraw); the summary stays
+    with tqdm(total=source.count, initial=first, desc=f"shard {source.split}", unit="samples",
+              disable=bar_disabled(logger)) as bar:
         for index in range(first, source.count):
             members = source.members(index)
             if RAW_PIXELS in members:
@@ -440,7 +444,7 @@ def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
         if not names:
             continue
         shards, labels, sizes, kinds = [], [], set(), set()
-        for name in tqdm(names, desc=f"index {split}", unit="shards", disable=None):
+        for name in tqdm(names, desc=f"index {split}", unit="shards", disable=bar_disabled(logger)):
             data = store.read(f"{split}/{name}")
             try:
                 shard, shard_labels = index_tar(name, data, int(block_mb * 2**20))
@@ -464,5 +468,5 @@ def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
     for index in indexes:  # one count of classes for every split (a test split may lack the last classes)
         index.num_classes = max(known) + 1 if known else None
         store.write(f"{index.split}/{INDEX_FILE}", index.to_json())
-        say(f"shard index: {store.url(index.split)}: {index.samples:,} samples in {len(index.shards)} tars "
-            f"({index.bytes / 1e6:,.1f} MB)")
+        logger.info(f"shard index: {store.url(index.split)}: {index.samples:,} samples in {len(index.shards)} tars "
+                    f"({index.bytes / 1e6:,.1f} MB)")
