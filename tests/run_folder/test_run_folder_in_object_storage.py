@@ -327,15 +327,25 @@ def test_a_store_down_at_a_save_is_one_warning_and_training_goes_on_unless_uploa
 
 def test_the_run_folder_retries_the_store_for_its_own_patience_key_else_the_datas(object_store, tmp_path,
                                                                                   monkeypatch):
+    from accel_train import api
     from accel_train.config import load_config
-    from accel_train.run.place import RunPlace, run_folder_patience
+
+    class Opened(Exception):
+        """Raised with the place api.train opens, once it is opened: nothing is trained."""
+
+    open_place = api.RunPlace.open
+
+    def opened(*args, **kwargs):
+        raise Opened(open_place(*args, **kwargs))
 
     monkeypatch.setenv("ACCEL_TRAIN_STAGING", str(tmp_path))
+    monkeypatch.setattr(api.RunPlace, "open", opened)
     for given, patience in ((["checkpoint.store_patience_s=2", "data.store_patience_s=60"], 2),
                             (["data.store_patience_s=7"], 7)):
         config = load_config("mnist_cnn", [f"output_dir={object_store.url('runs/patient')}", *given])
-        place = RunPlace.open(config.output_dir, run_folder_patience(config))  # as api.train opens it
-        assert place.mirror.store.patience_s == patience, given
+        with pytest.raises(Opened) as place:
+            api.train(config)
+        assert place.value.args[0].mirror.store.patience_s == patience, given
 
 
 @pytest.mark.parametrize("problem", ["unknown bucket", "no credentials"])
