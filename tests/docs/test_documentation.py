@@ -3,7 +3,7 @@ exists, and every config key is documented with its default."""
 
 import re
 
-from support.locations import REPO, TESTS
+from support.locations import REPO, is_defined, named_tests
 
 
 def test_every_relative_link_in_the_documentation_resolves():
@@ -16,13 +16,10 @@ def test_every_relative_link_in_the_documentation_resolves():
 
 def test_every_test_the_claims_table_names_exists():
     table = (REPO / "docs" / "tests.md").read_text().split("## Claims and the tests that check them")[1]
-    named, file = [], None
-    for file_name, test in re.findall(r"`((?:\w+/)*test_\w+\.py)?::(test_\w+)`", table):
-        file = file_name or file  # `::name` is in the file named before it
-        named.append((file, test))
+    named = named_tests(table)
     assert len(named) >= 30
     for file, test in named:
-        assert re.search(rf"^def {test}\(", (TESTS / file).read_text(), re.M), f"{file}::{test}"
+        assert is_defined(file, test), f"{file}::{test}"
 
 
 def test_every_config_key_is_documented_with_its_default():

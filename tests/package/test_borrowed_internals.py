@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from support.locations import REPO, TESTS
+from support.locations import REPO, is_defined, named_tests
 
 PACKAGE = REPO / "accel_train"
 TABLE = (REPO / "docs" / "tests.md").read_text().split("## Borrowed internals")[1].split("\n## ")[0]
@@ -122,13 +122,10 @@ def test_every_borrowed_name_is_listed_and_every_listed_one_used():
 
 
 def test_every_test_the_borrowed_internals_name_exists():
-    named, file = [], None
-    for file_name, test in re.findall(r"`((?:\w+/)*test_\w+\.py)?::(test_\w+)`", TABLE):
-        file = file_name or file  # `::name` is in the file named before it
-        named.append((file, test))
+    named = named_tests(TABLE)
     assert len(named) >= 10
     for file, test in named:
-        assert re.search(rf"^def {test}\(", (TESTS / file).read_text(), re.M), f"{file}::{test}"
+        assert is_defined(file, test), f"{file}::{test}"
 
 
 def is_torchs_amp_step(torch) -> bool:
