@@ -8,6 +8,9 @@
 # make gpu-wheels - here, with the package index: .gpu-wheels/, the wheels a fresh GPU machine lacks (for gpu-check)
 # make gpu-check - on a machine with one GPU and no network, from the repo root with .gpu-wheels/ beside it: what only
 #                  a GPU shows, one table in at most 8 minutes (tools/gpu_check.py); DRY_RUN=1: every row on the CPU
+# make gpu-data  - here: .gpu-data/, Fashion-MNIST's files and 512 photographs (about 50 MiB) for gpu-bench
+# make gpu-bench - there, beside gpu-check: the speed questions only a GPU answers (small models, time to accuracy,
+#                  FLOP/s, JPEG decoding, the Hub's ViT-B/16), one table in at most 8 minutes (tools/gpu_bench.py)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -35,7 +38,8 @@ PYTEST := $(WRITE_BYTECODE) $(BIN)/python -m pytest
 GPU_WHEELS := .gpu-wheels
 GPU_WHEEL_PINS := datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 webdataset==1.0.2 braceexpand==0.1.7
 
-.PHONY: install data fashion-mnist photographs demo lint test test-fast test-min mutations gpu-wheels gpu-check clean
+.PHONY: install data fashion-mnist photographs demo lint test test-fast test-min mutations gpu-wheels gpu-check \
+	gpu-data gpu-bench clean
 
 install: $(VENV)/.installed
 
@@ -108,6 +112,15 @@ gpu-wheels:
 # No install: the GPU machine has no network. Its python3 runs the check, which installs .gpu-wheels/ itself.
 gpu-check:
 	$(PYTHON) tools/gpu_check.py $(if $(DRY_RUN),--dry-run)
+
+GPU_DATA := .gpu-data
+gpu-data: install fashion-mnist photographs
+	mkdir -p $(GPU_DATA)/fashion-mnist && cp $(FASHION_MNIST)/*-ubyte.gz $(GPU_DATA)/fashion-mnist/
+	$(BIN)/accel-train photos $(GPU_DATA)/photos --train 512 --test 64
+	@echo "$(GPU_DATA): $$(du -sh $(GPU_DATA) | cut -f1)"
+
+gpu-bench:
+	$(PYTHON) tools/gpu_bench.py $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) runs data .pytest_cache

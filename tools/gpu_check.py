@@ -79,10 +79,11 @@ class Failed(Exception):
 class Check:
     """What the rows share: the mode, the folders, the environment of every command, the clock."""
 
-    def __init__(self, dry_run: bool, out: Path, wheels: Path) -> None:
-        self.dry_run, self.out, self.wheels = dry_run, out, wheels
+    def __init__(self, dry_run: bool, out: Path, wheels: Path, caps: dict | None = None,
+                 budget_s: float = BUDGET_S) -> None:
+        self.dry_run, self.out, self.wheels, self.caps = dry_run, out, wheels, caps or CAPS
         self.site = out / "site"
-        self.deadline = time.monotonic() + (DRY_RUN_BUDGET_S if dry_run else BUDGET_S)
+        self.deadline = time.monotonic() + (DRY_RUN_BUDGET_S if dry_run else budget_s)
         self.row_ends = self.deadline
         self.row: Row | None = None
         self.blocked = ""  # why no row can run (install found it)
@@ -117,7 +118,7 @@ class Check:
         row.commands.append(" ".join(command).replace(PYTHON, "python3"))
         timeout = self.row_ends - time.monotonic()
         if timeout <= 1:
-            raise Failed(f"over its cap of {CAPS[row.row][self.dry_run]} s before: {row.commands[-1][:80]}")
+            raise Failed(f"over its cap of {self.caps[row.row][self.dry_run]} s before: {row.commands[-1][:80]}")
         token = uuid.uuid4().hex
         process = subprocess.Popen(command, cwd=REPO, env={**self.env, **(env or {}), TOKEN: token}, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -130,7 +131,7 @@ class Check:
             except subprocess.TimeoutExpired:  # something still holds its output open
                 output = "(output lost: still held open after the command was ended)"
             self.log(command, output, "ended at the row's cap")
-            raise Failed(f"over its cap of {CAPS[row.row][self.dry_run]} s in: {row.commands[-1][:80]}") from None
+            raise Failed(f"over its cap of {self.caps[row.row][self.dry_run]} s in: {row.commands[-1][:80]}") from None
         self.log(command, output, f"exit {process.returncode}")
         result = subprocess.CompletedProcess(command, process.returncode, output, "")
         if check and process.returncode != 0:
@@ -651,6 +652,36 @@ def write_json(rows: list[Row], path: Path, dry_run: bool, started: float) -> di
     return result
 
 
+def run_rows(check: Check, functions: list, only: str | None, started: float, name_of_check: str) -> list[Row]:
+    """Each row's function under its cap (check.caps), in order; `only`: comma-separated rows (install always runs).
+    A row that fails or breaks is that row's result; rows after a blocking one, or past the deadline, are skipped."""
+    chosen = set(check.caps) if not only else {"install", *(name.strip() for name in only.split(","))}
+    rows = []
+    for function in functions:
+        name = function.__name__
+        check.row = row = Row(name)
+        rows.append(row)
+        if name not in chosen:
+            row.result, row.note = "skipped", "not chosen (--only)"
+            continue
+        if check.blocked or time.monotonic() > check.deadline - 2:
+            row.result, row.note = "skipped", check.blocked or "the check's time is spent"
+            continue
+        began = time.monotonic()
+        check.row_ends = min(began + check.caps[name][check.dry_run], check.deadline)
+        print(f"{name_of_check} [{began - started:5.0f} s] {name} ...", file=sys.stderr, flush=True)
+        try:
+            function(check)
+        except Failed as failure:
+            row.result, row.note = "fail", "; ".join(filter(None, [str(failure), row.note]))
+        except Exception as err:  # a row that breaks is that row's failure, not the end of the check
+            row.result, row.note = "fail", f"{type(err).__name__}: {err}"[:300]
+        row.seconds = round(time.monotonic() - began, 1)
+        print(f"{name_of_check} [{time.monotonic() - started:5.0f} s] {name}: {row.result}", file=sys.stderr,
+              flush=True)
+    return rows
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """A mistake on the command line in one line (what was wrong, and where the usage is), exit 2."""
 
@@ -677,29 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     shutil.rmtree(out / "logs", ignore_errors=True)  # this check's logs only
     check = Check(args.dry_run, out, args.wheels.resolve())
-    chosen = set(CAPS) if not args.only else {"install", *(name.strip() for name in args.only.split(","))}
-    rows = []
-    for function in ROWS:
-        name = function.__name__
-        check.row = row = Row(name)
-        rows.append(row)
-        if name not in chosen:
-            row.result, row.note = "skipped", "not chosen (--only)"
-            continue
-        if check.blocked or time.monotonic() > check.deadline - 2:
-            row.result, row.note = "skipped", check.blocked or "the check's time is spent"
-            continue
-        began = time.monotonic()
-        check.row_ends = min(began + CAPS[name][args.dry_run], check.deadline)
-        print(f"gpu-check [{began - started:5.0f} s] {name} ...", file=sys.stderr, flush=True)
-        try:
-            function(check)
-        except Failed as failure:
-            row.result, row.note = "fail", "; ".join(filter(None, [str(failure), row.note]))
-        except Exception as err:  # a row that breaks is that row's failure, not the end of the check
-            row.result, row.note = "fail", f"{type(err).__name__}: {err}"[:300]
-        row.seconds = round(time.monotonic() - began, 1)
-        print(f"gpu-check [{time.monotonic() - started:5.0f} s] {name}: {row.result}", file=sys.stderr, flush=True)
+    rows = run_rows(check, ROWS, args.only, started, "gpu-check")
     print(table(rows), flush=True)
     result = write_json(rows, args.json or out / "gpu_check.json", args.dry_run, started)
     print(f"gpu-check: {'dry run, ' if args.dry_run else ''}{len(rows)} rows in {result['seconds']:.0f} s; "
