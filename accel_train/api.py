@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
+    from accel_train.training.setup import Sources
     from accel_train.workloads.tasks import Task
 
 
@@ -81,10 +82,10 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     # where the run folder lives: made once, handed to whoever needs it (a URL: the store checked, staging pulled)
     place = RunPlace.open(config.output_dir, run_folder_patience(config))
     with refusals_leave_no_folder(place):
-        task = check_training(config, place, task)
+        task, sources = check_training(config, place, task)
         from accel_train.training import loop
 
-        return loop.train(config, task, trackers, place, model=model, train_dataset=train_dataset,
+        return loop.train(config, task, sources, trackers, place, model=model, train_dataset=train_dataset,
                           eval_dataset=eval_dataset)
 
 
@@ -97,15 +98,17 @@ def check_before_opening(config: Config) -> list[str]:
     return tracker_names(config.train.log_with)
 
 
-def check_training(config: Config, place: RunPlace, task: Task | None = None) -> Task:
+def check_training(config: Config, place: RunPlace, task: Task | None = None) -> tuple[Task, Sources]:
     """Every check before training once the run folder's `place` is open (check_before_opening came before): first
     those that need no torch (the run folder, the checkpoint to resume), so a mistake there answers at once; then the
-    task's (the task `config.task` names when none is given). Returns the task."""
-    check_resume(config, place)  # before the folder is made
+    task's (the task `config.task` names when none is given). Returns the task, and where the run's data, initial
+    weights and resumed checkpoint come from, as the checks found them: the run takes them as they are."""
+    resumed = check_resume(config, place)  # before the folder is made
+    init_weights = None
     if config.model.init_from:
         from accel_train.run.weights import weights_file
 
-        weights_file(config.model.init_from, "model.init_from")
+        init_weights = weights_file(config.model.init_from, "model.init_from")
     check_output_dir(config, place)
     from accel_train.workloads.tasks import task_named
     from accel_train.workloads.tasks.base import check_mixing, check_selection_metrics
@@ -114,7 +117,10 @@ def check_training(config: Config, place: RunPlace, task: Task | None = None) ->
     task.check_config(config)
     check_mixing(task, config)
     check_selection_metrics(task, config)
-    return task
+    from accel_train.data import data_source
+    from accel_train.training.setup import Sources
+
+    return task, Sources(data=data_source(config.data), init_weights=init_weights, resume=resumed)
 
 
 def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, overrides: Sequence[str] = (), *,

@@ -11,6 +11,7 @@ on-device augmentation is (keyed.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,8 +29,8 @@ from accel_train.data.predict_inputs import image_converter
 from accel_train.data.registry import DATASETS, Data
 from accel_train.data.shards import dataset as _shards  # noqa: F401  (registration)
 from accel_train.data.torchvision_sets import SOURCES
-from accel_train.data.user import check_user_dataset, from_dataset, user_dataset
-from accel_train.data.validation import hold_out_validation
+from accel_train.data.user import from_dataset, user_dataset, user_function
+from accel_train.data.validation import hold_out_validation, validation_split
 from accel_train.distributed.accelerator import round_up_to_world
 from accel_train.errors import UserError
 from accel_train.import_paths import is_given_object, is_import_path, source_of
@@ -37,9 +38,9 @@ from accel_train.import_paths import is_given_object, is_import_path, source_of
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-__all__ = ["DATASETS", "Data", "InMemoryImages", "KeyedSamples", "Loaders", "RunData", "build_dataset",
-           "check_data_name", "from_dataset", "hold_out_validation", "image_converter", "load_image", "make_loader",
-           "run_data", "sample_keys", "slow_input_advice", "start_epoch"]
+__all__ = ["DATASETS", "Data", "DataSource", "InMemoryImages", "KeyedSamples", "Loaders", "RunData", "build_dataset",
+           "check_data_name", "data_source", "from_dataset", "hold_out_validation", "image_converter", "load_image",
+           "make_loader", "run_data", "sample_keys", "slow_input_advice", "start_epoch"]
 
 
 @dataclass
@@ -78,15 +79,34 @@ class RunData:
         return Loaders(train, test, val)
 
 
-def run_data(cfg: DataConfig, seed: int, accelerator: Accelerator, train_dataset: Dataset | None = None,
-             eval_dataset: Dataset | None = None) -> RunData:
-    """The data data.name names (or the datasets given), fetched by each node's main process first, and the
-    validation split data.val_fraction (or the data's own) holds out."""
+@dataclass(frozen=True)
+class DataSource:
+    """Where data.name's samples come from, decided once for all of a run's splits: "import path" (a user's
+    `function`, imported and checked), "given" (an object passed to accel_train.train), "hf" (a Hub dataset) or
+    "registry"."""
+
+    kind: str
+    function: Callable | None = None
+
+
+def data_source(cfg: DataConfig) -> DataSource:
+    function = user_function(cfg)
+    if function is not None:
+        return DataSource("import path", function)
+    if is_given_object(cfg.name):
+        return DataSource("given")
+    return DataSource("hf" if source_of(cfg.name) == "hf" else "registry")
+
+
+def run_data(cfg: DataConfig, seed: int, accelerator: Accelerator, source: DataSource,
+             train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None) -> RunData:
+    """The data data.name names (its `source`, as data_source found it), or the datasets given, fetched by each node's
+    main process first, and the validation split data.val_fraction (or the data's own) holds out."""
     with accelerator.local_main_process_first():  # the main process of each node fetches, the others then read
-        train = build_dataset(cfg, train=True, given=train_dataset)
+        train = source_dataset(source, cfg, train=True, given=train_dataset)
         # labelled by the training split's class names: an evaluation split lacking a class is not shifted
-        test = build_dataset(cfg, train=False, given=eval_dataset, classes=train.classes)
-    train, val = hold_out_validation(cfg, seed, train, test)
+        test = source_dataset(source, cfg, train=False, given=eval_dataset, classes=train.classes)
+    train, val = validation_split(cfg, seed, train, test, from_hub=source.kind == "hf")
     return RunData(train, test, val)
 
 
@@ -95,14 +115,20 @@ def build_dataset(cfg: DataConfig, train: bool, given: Dataset | None = None,
     """The dataset data.name names (one of the registry, or the user's by import path), or the one `given`. An
     evaluation split's labels index `classes` (the run's: its training split's names) by name; None: the data's own
     training split's, where it has one of its own (an ImageFolder tree, shards)."""
+    return source_dataset(data_source(cfg), cfg, train, given, classes)
+
+
+def source_dataset(source: DataSource, cfg: DataConfig, train: bool, given: Dataset | None = None,
+                   classes: list[str] | None = None) -> Data:
+    """build_dataset's, with data.name's source decided."""
     if given is not None:
         data = from_dataset(given, cfg, train, "train_dataset" if train else "eval_dataset")
-    elif is_import_path(cfg.name):
-        data = user_dataset(cfg, train)
-    elif is_given_object(cfg.name):
+    elif source.kind == "import path":
+        data = user_dataset(cfg, train, source.function)
+    elif source.kind == "given":
         raise UserError(f"data.name={cfg.name}: this run's data was given as a Python object; pass it again "
                         "(accel_train.evaluate(..., eval_dataset=...))")
-    elif source_of(cfg.name) == "hf":
+    elif source.kind == "hf":
         from accel_train.data.hub import hub_dataset
 
         data = hub_dataset(cfg, train, classes=None if train else classes)
@@ -124,7 +150,7 @@ def check_data_name(cfg: DataConfig) -> None:
         raise UserError(f"data.trivial_augment / data.random_erasing apply to file-backed data (imagefolder, shards, "
                         f"or {', '.join(SOURCES)} with data.on_device=false); data.name={cfg.name}: {where}")
     if is_import_path(cfg.name):
-        check_user_dataset(cfg)
+        user_function(cfg)  # imported and checked
     elif source_of(cfg.name) == "hf":
         from accel_train.data.hub import check_hub_data
 

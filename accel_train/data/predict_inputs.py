@@ -59,9 +59,9 @@ def user_image_transform(cfg: DataConfig) -> Callable[[Image.Image], torch.Tenso
             raise UserError(f"data.image_transform={cfg.image_transform}: found {type(transform).__name__}, expected a "
                             "function or a callable object that takes a PIL image")
         return transform
-    from accel_train.data.user import user_dataset
+    from accel_train.data.user import user_dataset, user_function
 
-    evaluated = user_dataset(cfg, train=False).dataset
+    evaluated = user_dataset(cfg, False, user_function(cfg)).dataset
     transform = getattr(evaluated, "transform", None)
     if not callable(transform):
         raise UserError(f"predict: data.name={cfg.name} is a dataset by import path whose evaluation split has no "

@@ -3,28 +3,32 @@ accel_train.train; checked where it is called, and described (classes, input sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils.data import Subset
 
 from accel_train.config import DataConfig
 from accel_train.data.registry import Data
 from accel_train.errors import UserError
-from accel_train.import_paths import building, check_call, import_object
+from accel_train.import_paths import building, check_call, import_object, is_import_path
 
 
-def user_dataset(cfg: DataConfig, train: bool) -> Data:
-    """The dataset the function data.name names returns, called with train= and data.args."""
-    factory = import_object(cfg.name, "data.name")
-    call = check_call(factory, "data.name", cfg.name, "data.args", {"train": train}, cfg.args)
-    with building(f"data.name={cfg.name}", data=True):
-        dataset = factory(**call)
-    return from_dataset(dataset, cfg, train, f"data.name={cfg.name}")
-
-
-def check_user_dataset(cfg: DataConfig) -> None:
-    """Before any data loads: data.name names a function that takes train= and data.args."""
+def user_function(cfg: DataConfig) -> Callable | None:
+    """The function data.name names as an import path, imported and checked to take train= and data.args (once: a
+    run calls it for each split); None for any other name."""
+    if not is_import_path(cfg.name):
+        return None
     factory = import_object(cfg.name, "data.name")
     check_call(factory, "data.name", cfg.name, "data.args", {"train": True}, cfg.args)
+    return factory
+
+
+def user_dataset(cfg: DataConfig, train: bool, function: Callable) -> Data:
+    """The dataset `function` (data.name's, as user_function found it) returns, called with train= and data.args."""
+    with building(f"data.name={cfg.name}", data=True):
+        dataset = function(**{"train": train, **cfg.args})  # as checked: data.args after train=
+    return from_dataset(dataset, cfg, train, f"data.name={cfg.name}")
 
 
 def from_dataset(dataset, cfg: DataConfig, train: bool, where: str) -> Data:

@@ -25,7 +25,13 @@ def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | No
     data.val_fraction of the training set drawn by `seed` before any process takes its share: every world size
     holds out the same samples. It is evaluated as the `test` split is (no augmentation), limited by
     data.eval_subset."""
-    if source_of(cfg.name) == "hf":
+    return validation_split(cfg, seed, train, test, from_hub=source_of(cfg.name) == "hf")
+
+
+def validation_split(cfg: DataConfig, seed: int, train: Data, test: Data | None,
+                     from_hub: bool) -> tuple[Data, Data | None]:
+    """hold_out_validation's, with whether data.name is a Hub dataset decided (run_data's DataSource)."""
+    if from_hub:
         from accel_train.data.hub import holds_out_evaluation
 
         if holds_out_evaluation(cfg):  # data.val_fraction made the evaluation split: none other is held out
@@ -55,16 +61,17 @@ def hold_out_validation(cfg: DataConfig, seed: int, train: Data, test: Data | No
     if isinstance(dataset, InMemoryImages):
         training, validation = dataset.subset(kept, dataset.augment), dataset.subset(held, augment=False)
     else:
-        training, validation = Subset(dataset, kept.tolist()), Subset(_as_evaluated(dataset, cfg, test), held.tolist())
+        training, validation = Subset(dataset, kept.tolist()), Subset(_as_evaluated(dataset, cfg, test, from_hub),
+                                                                      held.tolist())
     return dataclasses.replace(train, dataset=training), dataclasses.replace(train, dataset=validation)
 
 
-def _as_evaluated(dataset: Dataset, cfg: DataConfig, test: Data | None) -> Dataset:
+def _as_evaluated(dataset: Dataset, cfg: DataConfig, test: Data | None, from_hub: bool) -> Dataset:
     """The training samples served as the test split serves its own: the registry's imagefolder with evaluation's
     transform; a user's dataset with the `transform` of its test split where both have one (torchvision's datasets
     do), else as it is, with one warning."""
     inner = dataset.dataset if isinstance(dataset, Subset) else dataset
-    if cfg.name == "imagefolder" or source_of(cfg.name) == "hf":
+    if cfg.name == "imagefolder" or from_hub:
         transform = imagefolder_transform(cfg, train=False)
     else:
         evaluated = test.dataset if test is not None else None

@@ -1,6 +1,6 @@
 """The Accelerator every command uses, formed into a real process group on whatever hardware is present (a training
-run's with its numerics: accelerator_for_run), and the checks a launch must pass: the world size, how a global batch
-splits.
+run's with its numerics: accelerator_for_run), and the check a launch must pass: the world size. How a global batch
+splits across the processes is training/accumulation.py's, with the rest of a step's arithmetic.
 
 The rest of the package sees an `Accelerator` and calls `prepare`, `backward`, `gather_for_metrics` and its
 main-process helpers; the few collectives of the loop's decisions are collectives.py's.
@@ -17,7 +17,7 @@ from accel_train import hooks
 from accel_train.console import note
 from accel_train.distributed.devices import has_accelerator_device, set_numerics
 from accel_train.distributed.environment import LauncherEnvironment, launcher_environment
-from accel_train.errors import LaunchError, UserError
+from accel_train.errors import LaunchError
 from accel_train.versions import versions
 
 logger = logging.getLogger(__name__)
@@ -31,11 +31,9 @@ if TYPE_CHECKING:  # torch and accelerate load lazily so the CLI can report erro
 
 def accelerator_for_run(cfg: TrainConfig, seed: int, trackers: list[str], trackers_dir: str) -> Accelerator:
     """A training run's Accelerator: the numerics train.deterministic and train.tf32 ask for, set before any kernel
-    runs; its trackers' files in `trackers_dir`; train.batch_size checked to split evenly across its processes."""
+    runs; its trackers' files in `trackers_dir`."""
     set_numerics(cfg.deterministic, cfg.tf32)
-    accelerator = make_accelerator(seed, cfg.collective_timeout_s, trackers, trackers_dir)
-    per_process_batch(cfg.batch_size, accelerator, "train.batch_size")
-    return accelerator
+    return make_accelerator(seed, cfg.collective_timeout_s, trackers, trackers_dir)
 
 
 def make_accelerator(seed: int, collective_timeout_s: float = 600, trackers: list[str] = (),
@@ -147,23 +145,6 @@ def form_group_apart_from_earlier_attempts(use_cpu: bool, timeout_s: float, laun
     dist.init_process_group("gloo" if use_cpu else "cuda:nccl,cpu:gloo",
                             store=dist.PrefixStore(f"accel_train/restart_{launcher.restart}", agent_store),
                             rank=launcher.rank, world_size=launcher.world_size, timeout=timeout, **bound)
-
-
-def divisors(number: int) -> list[int]:
-    return [d for d in range(1, number + 1) if number % d == 0]
-
-
-def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:
-    """Check that a global batch splits evenly across processes (Accelerate's split_batches needs it)."""
-    n = accelerator.num_processes
-    if global_batch % n:
-        lower, upper = (global_batch // n) * n, (global_batch // n + 1) * n
-        hint = f"{lower} or {upper}" if lower else f"{upper}"
-        # A checkpoint continues only with its own global batch: the world sizes that split it are the other way out.
-        raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, "
-                        f"e.g. {hint}, or run at a world size that splits it: "
-                        f"{', '.join(map(str, divisors(global_batch)))} process(es)")
-    return global_batch // n
 
 
 def round_up_to_world(batch: int, accelerator: Accelerator) -> int:

@@ -40,7 +40,7 @@ from accel_train.run.checkpoint_files import (
     write_synced,
 )
 from accel_train.run.layout import LOOP_STATE_FILE
-from accel_train.run.resume import continue_from, load, refuse_other_identity, resume_folder
+from accel_train.run.resume import continue_from, load, refuse_other_identity
 from accel_train.state import Progress, ResumePoint, Stateful
 
 if TYPE_CHECKING:
@@ -206,9 +206,9 @@ class Checkpoints:
             if folder not in keep:
                 self.place.remove(folder, meta)
 
-    def resume(self, model: torch.nn.Module, steps_per_epoch: int, total_steps: int) -> ResumePoint:
-        """Load the checkpoint `resume` names (all processes; resume=auto: the newest loadable one), restore every
-        part in place, and say where training continues."""
+    def resume(self, model: torch.nn.Module, steps_per_epoch: int, total_steps: int, named: Path | None) -> ResumePoint:
+        """Load the checkpoint `resume` names (all processes; resume=PATH: `named`, the folder check_resume found;
+        resume=auto: the newest loadable one), restore every part in place, and say where training continues."""
         config, accelerator, shown = self.config, self.accelerator, self.place.shown
         if not config.resume:
             return ResumePoint()
@@ -221,7 +221,7 @@ class Checkpoints:
                      f"resume=auto: no checkpoint in {shown(self.directory)}; starting from step 0")
                 return ResumePoint()
         else:  # check_resume made sure, before any data loaded, that it is a checkpoint of this run
-            candidates = [(resume_folder(config, self.place), read_meta(resume_folder(config, self.place)))]
+            candidates = [(named, read_meta(named))]
         for folder, meta in reversed(candidates):
             if folder != candidates[-1][0]:  # the newest was checked before any data loaded (check_resume)
                 refuse_other_identity(shown(folder), meta, config)

@@ -46,8 +46,11 @@ def readable_run(location: str, files: tuple[str, ...] = READ_FILES) -> Path:
 
 
 def readable_weights(location: str, key: str) -> Path:
-    """Weights at a URL, as model.init_from or checkpoint= name them (a run folder, one of its checkpoints, or a
-    .safetensors file), copied into the read cache: the local run folder, checkpoint folder or file."""
+    """Weights as model.init_from or checkpoint= name them (a run folder, one of its checkpoints, or a .safetensors
+    file): a local path as it is; at a URL, copied into the read cache: the local run folder, checkpoint folder or
+    file."""
+    if not is_remote(location):
+        return Path(location)
     check_location(location, key)
     url = location.rstrip("/")
     if not url.endswith(".safetensors"):

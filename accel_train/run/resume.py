@@ -94,16 +94,18 @@ def resume_position(meta: dict) -> tuple[int, int]:
     return epoch, done
 
 
-def check_resume(config: Config, place: RunPlace) -> None:
-    """Before any data is loaded: `resume=PATH` is a checkpoint, and the checkpoint to resume is this run's."""
+def check_resume(config: Config, place: RunPlace) -> Path | None:
+    """Before any data is loaded: `resume=PATH` is a checkpoint, and the checkpoint to resume is this run's. Returns
+    the checkpoint folder resume=PATH names (the run resumes from it as found here); None for resume=auto, whose
+    newest loadable checkpoint the run finds when it starts, and without resume."""
     if config.resume is None:
-        return
+        return None
     own = checkpoints_dir(place.folder)
     if config.resume == "auto":
         found = list_checkpoints(own)
         if found:
             refuse_other_identity(place.shown(found[-1][0]), found[-1][1], config)
-        return
+        return None
     folder = resume_folder(config, place)
     meta = read_meta(folder)
     if meta is None:
@@ -115,6 +117,7 @@ def check_resume(config: Config, place: RunPlace) -> None:
                         f"output_dir={config.output_dir}: resume continues output_dir's own run (resume=auto, or one "
                         f"of {join(config.output_dir, CHECKPOINTS_DIR)}/step-N); to start a new run from its weights, "
                         f"give model.init_from={config.resume} instead")
+    return folder
 
 
 def resume_folder(config: Config, place: RunPlace) -> Path:

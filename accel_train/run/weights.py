@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
 from accel_train.run.layout import CLASSES_FILE, MODEL_FILE, read_classes, usual_permissions
-from accel_train.storage import is_remote
 
 if TYPE_CHECKING:
     import torch
@@ -41,12 +40,9 @@ def export(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> None
 def weights_file(checkpoint: str, key: str = "checkpoint") -> Path:
     """The model.safetensors of a run folder, of a checkpoint folder, or the file itself, local or at a URL (copied
     into the read cache); `key` is the setting that named it, for the line that says it is not there."""
-    if is_remote(checkpoint):
-        from accel_train.run.read_cache import readable_weights
+    from accel_train.run.read_cache import readable_weights
 
-        weights = readable_weights(checkpoint, key)
-    else:
-        weights = Path(checkpoint)
+    weights = readable_weights(checkpoint, key)
     if weights.is_dir():
         weights = weights / MODEL_FILE
     if not weights.is_file():
@@ -91,10 +87,10 @@ def load_weights(model: torch.nn.Module, state: dict, checkpoint: str, described
     return model
 
 
-def initial_weights(model: torch.nn.Module, source: str, described: str) -> torch.nn.Module:
-    """model.init_from: `model` with the weights of an earlier run (its model.safetensors), one of its checkpoints or
-    a .safetensors file; a new run starts from them. Tensors of other names or shapes: one line naming the first."""
-    weights = weights_file(source, "model.init_from")
+def initial_weights(model: torch.nn.Module, weights: Path, source: str, described: str) -> torch.nn.Module:
+    """model.init_from=`source`: `model` with the weights of an earlier run (its model.safetensors), one of its
+    checkpoints or a .safetensors file, `weights` as weights_file found it; a new run starts from them. Tensors of
+    other names or shapes: one line naming the first."""
     mismatch = shape_mismatch(weights, model)
     if mismatch:
         raise UserError(f"model.init_from={source} does not fit {described}: {mismatch}; start from weights of the "

@@ -1,5 +1,8 @@
 """Gradient accumulation: one optimizer step's global batch = processes x micro-batch x accumulation steps.
 
+The whole of that arithmetic is here: the global batch split evenly across the processes (per_process_batch), each
+process's share split into micro-batches.
+
 Accelerate does the accumulating (`Accelerator.gradient_accumulation_steps`, `accelerator.accumulate(model)`:
 no gradient all-reduce on the micro-steps in between, the loss divided by the steps). This module decides
 how many steps: from `train.accumulation_steps`, from a given `train.micro_batch_size`, or, with
@@ -22,7 +25,7 @@ from accel_train.config import Config, TrainConfig
 from accel_train.console import note
 from accel_train.data import Data, make_loader
 from accel_train.data.decode import model_input
-from accel_train.distributed.accelerator import divisors, shards_gradients
+from accel_train.distributed.accelerator import shards_gradients
 from accel_train.distributed.collectives import processes_where
 from accel_train.errors import UserError
 from accel_train.training.memory import ran_out_of_memory
@@ -30,12 +33,30 @@ from accel_train.training.memory import ran_out_of_memory
 logger = logging.getLogger(__name__)
 
 
-def accumulation_steps(cfg: TrainConfig, num_processes: int) -> int | None:
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def per_process_batch(global_batch: int, accelerator: Accelerator, key: str) -> int:
+    """Check that a global batch splits evenly across processes (Accelerate's split_batches needs it)."""
+    n = accelerator.num_processes
+    if global_batch % n:
+        lower, upper = (global_batch // n) * n, (global_batch // n + 1) * n
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        # A checkpoint continues only with its own global batch: the world sizes that split it are the other way out.
+        raise UserError(f"{key}={global_batch} does not split evenly across {n} processes; use a multiple of {n}, "
+                        f"e.g. {hint}, or run at a world size that splits it: "
+                        f"{', '.join(map(str, divisors(global_batch)))} process(es)")
+    return global_batch // n
+
+
+def accumulation_steps(cfg: TrainConfig, accelerator: Accelerator) -> int | None:
     """Micro-batches per optimizer step; None for micro_batch_size=auto (found later, with the model).
 
     Checks that batch_size splits evenly into processes x micro-batches, naming the keys and values that would.
     """
-    per_process = cfg.batch_size // num_processes  # its divisibility is per_process_batch's to check
+    num_processes = accelerator.num_processes
+    per_process = per_process_batch(cfg.batch_size, accelerator, "train.batch_size")
     if cfg.micro_batch_size is not None and cfg.accumulation_steps != 1:
         raise UserError(f"train.micro_batch_size={cfg.micro_batch_size} and train.accumulation_steps="
                         f"{cfg.accumulation_steps}: set one of them; the other follows from train.batch_size")

@@ -30,11 +30,12 @@ from accelerate.utils import concatenate, find_batch_size, release_memory, slice
 
 from accel_train.config import TrainConfig
 from accel_train.console import note, warn
-from accel_train.distributed.accelerator import divisors, shards_gradients
+from accel_train.distributed.accelerator import shards_gradients
 from accel_train.distributed.collectives import average_gradients, processes_where
 from accel_train.errors import UserError
 from accel_train.run.summaries import named_processes
 from accel_train.state import Observer, State
+from accel_train.training.accumulation import divisors
 from accel_train.training.dropout import DropoutKeys
 from accel_train.training.memory import SMALLER_MODEL, ran_out_of_memory
 from accel_train.training.steps import StepTerms, eval_outputs, training_terms

@@ -47,18 +47,19 @@ from accel_train.run.weights import export
 from accel_train.training.evaluation import evaluate
 from accel_train.training.guard import clip_gradients
 from accel_train.training.memory import out_of_memory_stops
-from accel_train.training.setup import Run, set_up
+from accel_train.training.setup import Run, Sources, set_up
 from accel_train.workloads.tasks import Task
 
 logger = logging.getLogger(__name__)
 
 
-def train(config: Config, task: Task, trackers: list[str], place: RunPlace, *, model=None, train_dataset=None,
-          eval_dataset=None) -> dict:
-    """Train what `config` describes, checked before (api.check_training); a model or datasets given as objects
-    take the place of its names. `trackers`: Accelerate's names (TensorBoard, W&B, ...); `place`: where the run folder
-    lives (opened by the checks). Returns the final evaluation's metrics, the same on every process."""
-    run = set_up(config, task, trackers, place, model, train_dataset, eval_dataset)  # resumed where `resume` says
+def train(config: Config, task: Task, sources: Sources, trackers: list[str], place: RunPlace, *, model=None,
+          train_dataset=None, eval_dataset=None) -> dict:
+    """Train what `config` describes, checked before (api.check_training, which found the `sources` of its data and
+    initial weights); a model or datasets given as objects take the place of its names. `trackers`: Accelerate's
+    names (TensorBoard, W&B, ...); `place`: where the run folder lives (opened by the checks). Returns the final
+    evaluation's metrics, the same on every process."""
+    run = set_up(config, task, sources, trackers, place, model, train_dataset, eval_dataset)  # resumed as `resume` says
     accelerator, model, progress, guard, meter = run.accelerator, run.model, run.progress, run.guard, run.meter
     # SIGTERM / SIGINT are agreed on; a process without progress is named (train.stuck_after_s); the observers
     # close however training ends (a stop line starts a line of its own)

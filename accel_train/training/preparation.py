@@ -8,6 +8,7 @@ optimizer, loaders and schedule to `accelerator.prepare` in the order that keeps
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -49,15 +50,17 @@ class Trainable:
                         loaders=[loader for loader in (loaders.train, loaders.test, loaders.val) if loader is not None])
 
 
-def model_for_run(config: Config, task: Task, accelerator: Accelerator, train_data: Data,
+def model_for_run(config: Config, task: Task, accelerator: Accelerator, train_data: Data, init_weights: Path | None,
                   given: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The task's model for the training data (or the one given), with model.init_from's weights, SyncBatchNorm
-    across processes where asked, in the memory format train.channels_last asks for; not yet prepared."""
+    """The task's model for the training data (or the one given), with model.init_from's weights (`init_weights`,
+    the file the checks found), in the memory format train.channels_last asks for, SyncBatchNorm across processes
+    where asked; not yet prepared."""
     model = given if given is not None else task.build_model(config, train_data)
-    if config.model.init_from:  # the same file on every process, before any process trains
-        initial_weights(model, config.model.init_from, f"model.name={config.model.name} on {config.data.name}")
-    model = maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
-    return tune_for_device(model, config.train.channels_last)
+    if init_weights is not None:  # the same file on every process, before any process trains
+        initial_weights(model, init_weights, config.model.init_from,
+                        f"model.name={config.model.name} on {config.data.name}")
+    model = tune_for_device(model, config.train.channels_last)
+    return maybe_sync_batchnorm(model, config.model.sync_batchnorm, accelerator)
 
 
 def prepare_for_training(config: Config, task: Task, accelerator: Accelerator, model: torch.nn.Module, data: RunData,
@@ -71,8 +74,9 @@ def prepare_for_training(config: Config, task: Task, accelerator: Accelerator, m
     sharded = shards_gradients(accelerator)
     if accumulation is None and not sharded:
         accumulation = fit_micro_batch(config, accelerator, task, model, data.train)
-    model = compile_model(model, config.train.compile)
+    # the optimizer holds the model's own parameters: compiling in place keeps them
     optimizer = build_optimizer(config.train, model, sharded)
+    model = compile_model(model, config.train.compile)
     prepared_first = accumulation is None
     if prepared_first:  # FSDP prepares (shards) the model with its optimizer
         model, optimizer = accelerator.prepare(model, optimizer)

@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 
 from accel_train.config import Config
 from accel_train.console import warn
-from accel_train.data import run_data
+from accel_train.data import DataSource, run_data
 from accel_train.distributed.accelerator import accelerator_for_run, run_info
 from accel_train.distributed.environment import launcher_environment
 from accel_train.distributed.signals import StopSignals
@@ -96,32 +96,43 @@ class Run:
         return bool(every and progress.step % every == 0) or progress.at_epoch_end or progress.finished
 
 
-def set_up(config: Config, task: Task, trackers: list[str], place: RunPlace, model: torch.nn.Module | None = None,
-           train_dataset=None, eval_dataset=None) -> Run:
+@dataclass(frozen=True)
+class Sources:
+    """Where a run's data, initial weights and resumed checkpoint come from, found once by the checks before it
+    (api.check_training), and taken by set_up as found."""
+
+    data: DataSource  # data.name's source: a user's data function imported and checked
+    init_weights: Path | None  # model.init_from's weights file (at a URL, copied into the read cache), content checked
+    resume: Path | None  # the checkpoint folder resume=PATH names; None for resume=auto (found as the run starts)
+
+
+def set_up(config: Config, task: Task, sources: Sources, trackers: list[str], place: RunPlace,
+           model: torch.nn.Module | None = None, train_dataset=None, eval_dataset=None) -> Run:
     """Make every part, in the order that makes a run a function of its config: the same initial weights on every
     process, then each process's own random streams (dropout), then the checkpoint's state over all of them."""
     started = time.perf_counter()
     accelerator = accelerator_for_run(config.train, config.seed, trackers, str(trackers_dir(place.folder)))
-    accumulation = accumulation_steps(config.train, accelerator.num_processes)  # None: micro_batch_size=auto
+    accumulation = accumulation_steps(config.train, accelerator)  # None: micro_batch_size=auto
     set_seed(config.seed)  # the same initial weights on every process
-    data = run_data(config.data, config.seed, accelerator, train_dataset, eval_dataset)
+    data = run_data(config.data, config.seed, accelerator, sources.data, train_dataset, eval_dataset)
     task.setup(config, data.train)
     task.new_metric()  # evaluate needs a writable HF cache: say so now, not at the first evaluation
-    model = model_for_run(config, task, accelerator, data.train, given=model)
+    model = model_for_run(config, task, accelerator, data.train, sources.init_weights, given=model)
     trainable = prepare_for_training(config, task, accelerator, model, data, accumulation)
     set_seed(config.seed, device_specific=True)  # dropout differs per process
     # micro_batch_size=auto (not under FSDP): a step or eval batch that runs out of memory is redone with half as many
     adapts = halves_on_out_of_memory(accelerator, auto=accumulation is None)
     resumable = Resumable.of(config, accelerator, trainable, place.folder, started, adapts)
-    checkpoints = Checkpoints(config, accelerator, place, states=resumable.states(), prepared=trainable.prepared())
+    resumable.selection.warn_if_choosing_on(data.selecting_split)
+    prepared = trainable.prepared()
+    checkpoints = Checkpoints(config, accelerator, place, states=resumable.states(), prepared=prepared)
     progress = resumable.progress
-    start = checkpoints.resume(trainable.model, progress.steps_per_epoch, progress.total_steps)  # resume=auto / PATH
+    start = checkpoints.resume(trainable.model, progress.steps_per_epoch, progress.total_steps, sources.resume)
     launcher = launcher_environment()
     state = State(config, progress, start, run_info(accelerator), (launcher.restart, launcher.max_restarts),
                   data.train, tuple(trackers), place)
     observers = main_process_observers(accelerator, task, config, trackers)
     signals = StopSignals(accelerator, config.train.collective_timeout_s)
-    resumable.selection.warn_if_choosing_on(data.selecting_split)
     # a run folder in a store: the processes meet in its stuck/, not on a disk they share
     watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(place.folder), signals,
                         place.store_of(STUCK_DIR))

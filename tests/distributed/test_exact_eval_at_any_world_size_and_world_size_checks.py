@@ -56,8 +56,8 @@ def test_a_launch_that_forms_no_process_group_exits_4_instead_of_evaluating_alon
 def test_a_global_batch_that_does_not_split_across_processes_is_refused_naming_the_batches_and_world_sizes_that_do():
     from types import SimpleNamespace
 
-    from accel_train.distributed.accelerator import per_process_batch
     from accel_train.errors import UserError
+    from accel_train.training.accumulation import per_process_batch
 
     three, four = SimpleNamespace(num_processes=3), SimpleNamespace(num_processes=4)
     with pytest.raises(UserError, match="train.batch_size=64 does not split evenly across 3 processes; use a "

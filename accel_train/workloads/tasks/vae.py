@@ -96,11 +96,13 @@ class VAETask(Task):
 
     def build_model(self, config: Config, data: Data) -> nn.Module:
         cfg: ModelConfig = config.model
-        if is_import_path(cfg.name):  # the user's VAE: forward(images, sample) -> (logits, mean, log_var), decode
-            from accel_train.workloads.models import build_by_import_path
+        if cfg.name in VAE_MODELS:
+            return VAE_MODELS.get(cfg.name)(data.image_shape, cfg.latent_size, cfg.hidden_size)
+        # any other name is an import path (check_config let no other through): the user's VAE, whose
+        # forward(images, sample) -> (logits, mean, log_var), and decode
+        from accel_train.workloads.models import build_by_import_path
 
-            return build_by_import_path(cfg, None, data.image_shape)
-        return VAE_MODELS.get(cfg.name)(data.image_shape, cfg.latent_size, cfg.hidden_size)
+        return build_by_import_path(cfg, None, data.image_shape)
 
     def training_step(self, model, batch):
         images, _ = batch
