@@ -23,7 +23,7 @@ from accel_train.data.classes import labelled_by
 from accel_train.data.imagefolder import load_image
 from accel_train.data.in_memory import InMemoryImages
 from accel_train.data.keyed import KeyedSamples, sample_keys
-from accel_train.data.loaders import make_loader, slow_input_advice, start_epoch
+from accel_train.data.loaders import make_loader, received_finish, slow_input_advice, start_epoch
 from accel_train.data.predict_inputs import image_converter
 from accel_train.data.registry import DATASETS, Data
 from accel_train.data.shards import dataset as _shards  # noqa: F401  (registration)
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DATASETS", "Data", "InMemoryImages", "KeyedSamples", "Loaders", "RunData", "build_dataset",
            "check_data_name", "from_dataset", "hold_out_validation", "image_converter", "load_image", "make_loader",
-           "run_data", "sample_keys", "slow_input_advice", "start_epoch"]
+           "received_finish", "run_data", "sample_keys", "slow_input_advice", "start_epoch"]
 
 
 @dataclass
