@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from accel_train.config import DataConfig
 from accel_train.data import Data, make_loader, received_finish
-from accel_train.data.decode import ImagesToModelInput, model_input
+from accel_train.data.decode import ImagesToModelInput, float_batch_like, model_input
 from accel_train.data.loaders import FinishingCollate
 from accel_train.distributed.devices import finish_runs_in_workers
 from support.commands import train_in_process
@@ -67,6 +67,23 @@ def test_a_cpu_run_with_workers_gets_finished_batches_from_its_loader_and_the_ma
     for finished, reference in zip(batches, unfinished):
         assert finished[0].dtype == torch.float32 and torch.equal(finished[0], reference[0])
         assert torch.equal(finished[1], reference[1])
+
+
+class SharedOrNot(torch.utils.data.Dataset):
+    """Whether a finished batch's tensor is made in shared memory where this sample is loaded."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int):
+        return float_batch_like(torch.zeros(2, 3, 4, 4, dtype=torch.uint8)).is_shared()
+
+
+def test_a_workers_finished_batch_is_made_in_shared_memory_and_the_main_processes_is_not():
+    """So a worker's finished batch (4 bytes a pixel) reaches the main process without a copy into shared memory."""
+    in_workers = torch.utils.data.DataLoader(SharedOrNot(), batch_size=None, num_workers=1)
+    assert list(in_workers) == [True, True]
+    assert SharedOrNot()[0] is False
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps", "xpu"])
