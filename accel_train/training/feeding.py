@@ -14,7 +14,6 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
@@ -48,17 +47,16 @@ def workers_to_feed(load_s: float, step_s: float, cores: int) -> int:
 
 
 def choose_workers(config: Config, accelerator: Accelerator, task, model: torch.nn.Module | None, data: Data,
-                   accumulation: int, measure: Callable | None = None) -> None:
-    """data.num_workers=auto: measured, written into config.data and said in one line; a number given stays.
-    `model` None (FSDP: the model is sharded, and a step a collective): the usable cores, as before. `measure`:
-    (load seconds, step seconds) of a micro-batch, measured_seconds by default. Every process takes the main
-    process's count."""
+                   accumulation: int) -> None:
+    """data.num_workers=auto: measured (measured_seconds), written into config.data and said in one line; a number
+    given stays. `model` None (FSDP: the model is sharded, and a step a collective): the usable cores, as before.
+    Every process takes the main process's count."""
     cfg = config.data
     if cfg.num_workers != "auto" or data.in_memory and cfg.on_device:  # the latter: served without workers
         return
     cores = dataloader_workers("auto")
     micro_batch = config.train.batch_size // accelerator.num_processes // accumulation
-    times = None if model is None else (measure or measured_seconds)(accelerator, task, model, data, cfg, micro_batch)
+    times = None if model is None else measured_seconds(accelerator, task, model, data, cfg, micro_batch)
     if times is None:
         workers, why = cores, "the usable cores (the model sharded, or too few samples to measure)"
     else:
@@ -76,7 +74,7 @@ def measured_seconds(accelerator: Accelerator, task, model: torch.nn.Module, dat
     """(seconds to load a micro-batch in this process, seconds of a training micro-step on it): medians after a
     warm-up one; None where the training split holds fewer than MEASURED_BATCHES micro-batches. The run is left as
     it was: the samples are keyed (their draws do not move), the weights untouched, the buffers put back and the
-    random streams forked."""
+    CPU and CUDA random streams forked (the run seeds them again after preparing, in any case)."""
     if len(data.dataset) < MEASURED_BATCHES * micro_batch:
         return None
     device = accelerator.device
