@@ -100,8 +100,10 @@ class DataConfig:
         "ImageFolder-like data: how crops and evaluation resize images (unset: bilinear, or the hf:/timm: model's)",
         default=None)
     num_workers: int | Literal["auto"] = doc("DataLoader worker processes per process (file-backed datasets); auto: "
-                                             "the CPU cores this machine has per process, at most 8",
-                                             default="auto", within=NON_NEGATIVE)
+                                             "training measures a micro-batch loaded in the main process against a "
+                                             "training step and takes the fewest that keep the step fed (none where "
+                                             "loading costs under 5% of a step), at most the CPU cores per process "
+                                             "and 8 (eval, predict: that cap)", default="auto", within=NON_NEGATIVE)
     shuffle_window_shards: int = doc("data.name=shards: samples are shuffled within windows of this many shards "
                                      "(each epoch permutes the shards); larger mixes more, and caches and reads "
                                      "more at a time", default=8, within=POSITIVE)

@@ -24,7 +24,7 @@ from accel_train.data.classes import labelled_by
 from accel_train.data.imagefolder import load_image
 from accel_train.data.in_memory import InMemoryImages
 from accel_train.data.keyed import KeyedSamples, sample_keys
-from accel_train.data.loaders import make_loader, slow_input_advice, start_epoch
+from accel_train.data.loaders import make_loader, received_finish, slow_input_advice, start_epoch
 from accel_train.data.predict_inputs import image_converter
 from accel_train.data.registry import DATASETS, Data
 from accel_train.data.shards import dataset as _shards  # noqa: F401  (registration)
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DATASETS", "Data", "DataSource", "InMemoryImages", "KeyedSamples", "Loaders", "RunData", "build_dataset",
            "check_data_name", "data_source", "from_dataset", "hold_out_validation", "image_converter", "load_image",
-           "make_loader", "run_data", "sample_keys", "slow_input_advice", "start_epoch"]
+           "make_loader", "received_finish", "run_data", "sample_keys", "slow_input_advice", "start_epoch"]
 
 
 @dataclass

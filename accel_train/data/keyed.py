@@ -73,15 +73,16 @@ class KeyedSamples(Dataset):
             else samples
 
     def _samples(self, indices: list[int]) -> list:
-        # A batch at a time (the DataLoader's fetcher calls this), so the states are saved and put back once a batch;
-        # each sample still comes from the dataset's own __getitem__ and its own key, even where the dataset could
-        # fetch a whole batch (a Hugging Face datasets.Dataset).
+        # A batch at a time (the DataLoader's fetcher calls this), so the states are saved and put back once a batch.
+        # Where a transform draws, each sample comes from the dataset's own __getitem__ just after its key seeds the
+        # generators, even where the dataset could fetch a whole batch (a Hugging Face datasets.Dataset); where none
+        # draws, from the dataset's __getitems__ where it has one (batch_of).
         if self.keys_with_samples:
             seed, epoch = self.seed_and_epoch.tolist()
             keys = sample_keys(torch.as_tensor(indices), epoch, seed)
-            return [(*self.samples[index], key) for index, key in zip(indices, keys)]
+            return [(*sample, key) for sample, key in zip(batch_of(self.samples, indices), keys)]
         if not self.draws_from:  # nothing to seed: a sample's seeding costs more than reading a small image
-            return [self.samples[index] for index in indices]
+            return batch_of(self.samples, indices)
         seed, epoch = self.seed_and_epoch.tolist()
         keys = sample_keys(torch.as_tensor(indices), epoch, seed).tolist()
         saved = {name: _STATES[name][0]() for name in self.draws_from}
@@ -94,6 +95,14 @@ class KeyedSamples(Dataset):
         finally:
             for name, state in saved.items():
                 _STATES[name][1](state)
+
+
+def batch_of(samples: Dataset, indices: list[int]) -> list:
+    """The samples at `indices`, through the dataset's own `__getitems__` where it has one (shards: one search for the
+    batch's places; torch's Subset passes it on); only where no transform draws at random, since a sample's draws are
+    seeded just before it is made."""
+    fetch = getattr(samples, "__getitems__", None)
+    return list(fetch(indices)) if fetch is not None else [samples[index] for index in indices]
 
 
 SAMPLE_INDEX = "accel_train.sample_index"  # a mapping sample's entry for its index (tuples carry it last)

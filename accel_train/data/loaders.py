@@ -6,16 +6,16 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from accel_train.config import DataConfig
 from accel_train.data.in_memory import InMemoryImages, PerSampleImages, keep_batch
-from accel_train.data.keyed import EVERY_GENERATOR, KeyedSamples
+from accel_train.data.keyed import EVERY_GENERATOR, KeyedSamples, with_index, without_index
 from accel_train.data.registry import DATASETS, Data
 from accel_train.data.shards.dataset import shard_layout, under_subsets
 from accel_train.data.shards.order import ShardOrder, check_order_settings
 from accel_train.data.shards.prefetch import Prefetcher
-from accel_train.distributed.devices import cores_per_process, dataloader_workers
+from accel_train.distributed.devices import cores_per_process, dataloader_workers, finish_runs_in_workers
 from accel_train.distributed.watchdog import stacks_on_request, worker_stacks_folder
 from accel_train.errors import UserError
 
@@ -83,9 +83,11 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
     workers = dataloader_workers(cfg.num_workers)
     # A worker writes its stacks when the stuck-process watchdog asks: a blocked __getitem__ is named where it is.
     stacks = partial(stacks_on_request, str(worker_stacks_folder())) if workers else None
+    collate = getattr(under_subsets(dataset)[0], "collate_fn", None)  # None: the default
+    if finishes_in_loader(data, cfg, device):  # batches arrive finished: received_finish says so to the consumers
+        collate = FinishingCollate(collate or default_collate, data.finish, sample_indices)
     serving = dict(batch_size=global_batch, num_workers=workers, pin_memory=device.type == "cuda",
-                   persistent_workers=workers > 0, generator=generator, worker_init_fn=stacks,
-                   collate_fn=getattr(under_subsets(dataset)[0], "collate_fn", None))  # None: the default
+                   persistent_workers=workers > 0, generator=generator, worker_init_fn=stacks, collate_fn=collate)
     layout = shard_layout(dataset)
     if train and layout is not None:  # shards: an order that reads a few shards at a time (shards/order.py)
         shard_of, shards = layout
@@ -95,6 +97,37 @@ def make_loader(data: Data, cfg: DataConfig, global_batch: int, train: bool, dev
         order.on_batch = order.prefetcher.reached
         return DataLoader(keyed(dataset, sample_indices), sampler=order, drop_last=True, **serving)
     return DataLoader(keyed(dataset, sample_indices), shuffle=train, drop_last=train, **serving)
+
+
+def finishes_in_loader(data: Data, cfg: DataConfig, device: torch.device) -> bool:
+    """Whether make_loader's workers finish `data`'s batches (the place chosen from the device the run trains on:
+    distributed/devices.py's finish_runs_in_workers), rather than the consumer where each batch is received."""
+    served_on_device = data.in_memory and cfg.on_device  # no workers: the dataset serves the model's input
+    return data.finish is not None and not served_on_device and \
+        finish_runs_in_workers(device, dataloader_workers(cfg.num_workers))
+
+
+def received_finish(data: Data, cfg: DataConfig, device: torch.device):
+    """The finish a consumer of make_loader's batches applies (model_input) as it receives each: the data's own where
+    the device finishes them, None where the loader's workers did."""
+    return None if finishes_in_loader(data, cfg, device) else data.finish
+
+
+class FinishingCollate:
+    """collate_fn that finishes each batch where it is collated, in a DataLoader worker: the dataset's collation,
+    then the data's finish on the batch without its samples' indices (keyed dropout's, last where they travel), as
+    the consumer would have applied it on the device."""
+
+    def __init__(self, collate, finish, indices_last: bool) -> None:
+        self.collate, self.finish, self.indices_last = collate, finish, indices_last
+
+    def __call__(self, samples: list):
+        batch = self.collate(samples)
+        if not self.indices_last:
+            return self.finish(batch)
+        fields, indices = without_index(batch)
+        finished = self.finish(fields)  # a list stays a list, as the consumer's without_index gave it
+        return [*finished, indices] if isinstance(finished, list) else with_index(finished, indices)
 
 
 def keyed(dataset, sample_indices: bool = False) -> KeyedSamples:

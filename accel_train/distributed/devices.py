@@ -25,6 +25,18 @@ def dataloader_workers(requested: int | str) -> int:
     return int(requested) if requested != "auto" else min(8, cores_per_process())
 
 
+def finish_runs_in_workers(device, workers: int) -> bool:
+    """Where a dataset's finish (uint8 batches made into the model's input: scaled, normalised, crops resized) runs
+    for a run that trains on `device` with `workers` DataLoader workers a process. On a CPU with workers, in the
+    workers, as part of their collation: there the device is the main process's own cores, which would finish every
+    batch beside the model while the workers wait. On a GPU (or any other device), and without workers, on the device
+    after the copy, as before: the device finishes a batch in its own stream and the host copies a quarter of the
+    bytes (uint8). The same operations on the same values either way, so the same inputs bit for bit."""
+    import torch
+
+    return torch.device(device).type == "cpu" and workers > 0
+
+
 def cpu_has_bf16() -> bool:
     """Whether oneDNN has native bf16 kernels here (AVX512-BF16 / AMX); without them autocast only emulates."""
     import torch

@@ -11,7 +11,7 @@ torchvision's recipe; litdata's and NVIDIA DALI's CPU pipelines are named with w
 nothing: its batches go to the training device as the float batch a step takes (torchvision's normalised on the host,
 ours by the data's finish on the device: scaled, normalised, and random crops of raw pixels resized there), which
 is what counts on a GPU machine, where the step costs the host little. On a CPU the device is the CPU: the finish
-runs in the main process.
+runs in the workers where there are some (as training runs it there), in the main process on one core.
 
 "One core" is one process with one thread and no DataLoader worker; "all cores" one worker a core, each worker one
 thread (the DataLoader's default), the main process one thread. Without a folder (the recipe's data.root missing),
@@ -199,7 +199,7 @@ def _to(images: torch.Tensor, device: torch.device) -> torch.Tensor:
 def our_loader(accelerator, cfg: DataConfig, batch: int, workers: int):
     """accel-train's training loader, each batch through the data's finish on the device (scaled, normalised, and
     crops of raw pixels resized there): the float batch a step takes."""
-    from accel_train.data import build_dataset, make_loader, start_epoch
+    from accel_train.data import build_dataset, make_loader, received_finish, start_epoch
     from accel_train.data.decode import model_input
     from accel_train.data.imagefolder import training_split
 
@@ -207,7 +207,8 @@ def our_loader(accelerator, cfg: DataConfig, batch: int, workers: int):
     data = training_split(cfg) if cfg.name == "imagefolder" else build_dataset(cfg, train=True)
     loader = accelerator.prepare(make_loader(data, cfg, batch, True, accelerator.device))
     start_epoch(loader, 0, 0)
-    return (model_input(data.finish, batch)[0] for batch in loader)
+    finish = received_finish(data, cfg, accelerator.device)  # None: the workers finished them (a CPU with workers)
+    return (model_input(finish, batch)[0] for batch in loader)
 
 
 def webdataset_loader(shards: Path, transform, batch: int, workers: int, device: torch.device):

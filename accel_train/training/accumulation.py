@@ -23,7 +23,7 @@ from accelerate.utils import release_memory, send_to_device
 from accel_train import hooks
 from accel_train.config import Config, TrainConfig
 from accel_train.console import note
-from accel_train.data import Data, make_loader
+from accel_train.data import Data, make_loader, received_finish
 from accel_train.data.decode import model_input
 from accel_train.distributed.accelerator import shards_gradients
 from accel_train.distributed.collectives import processes_where
@@ -127,7 +127,8 @@ def find_micro_batch_size(config: Config, accelerator: Accelerator, task, model:
 def try_micro_batch(accelerator: Accelerator, task, model, data: Data, probe_data, size: int) -> None:
     """One forward and backward pass on `size` samples (the device's out-of-memory error propagates)."""
     loader = make_loader(data, probe_data, size, False, accelerator.device)
-    batch = model_input(data.finish, send_to_device(next(iter(loader)), accelerator.device))
+    batch = model_input(received_finish(data, probe_data, accelerator.device),
+                        send_to_device(next(iter(loader)), accelerator.device))
     with accelerator.autocast():
         terms = hooks.every().after_forward("search", None, model, batch, task.training_step(model, batch))
     terms["loss"].backward()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from accel_train.config import Config
-from accel_train.data import build_dataset, hold_out_validation, make_loader
+from accel_train.data import build_dataset, hold_out_validation, make_loader, received_finish
 from accel_train.data.classes import labelled_by
 from accel_train.data.decode import model_input
 from accel_train.distributed.accelerator import finish_command, make_accelerator, round_up_to_world
@@ -29,7 +29,7 @@ def evaluate(accelerator, model, task, loader, ema: WeightsEMA | None = None,
     With an EMA of the weights, its metrics take the plain names and the raw model's are raw_*. `adaptive`
     (micro_batch_size=auto): a batch that runs out of memory on any process is evaluated again in smaller chunks.
     `on_batch`: called as each batch arrives (the loop's watchdog: progress). `finish`: the data's, which makes a
-    loaded batch into the model's input on the device (data.decode)."""
+    loaded batch into the model's input on the device (None where the loader's workers did)."""
     model.eval()
     metric = task.new_metric()
     for batch in loader:
@@ -76,7 +76,8 @@ def evaluate_checkpoint(config: Config, checkpoint: str, *, task: Task | None = 
     eval_loader = make_loader(eval_data, config.data, round_up_to_world(config.train.eval_batch_size, accelerator),
                               False, accelerator.device)
     model, eval_loader = accelerator.prepare(model, eval_loader)
-    metrics = evaluate(accelerator, model, task, eval_loader, finish=eval_data.finish)
+    metrics = evaluate(accelerator, model, task, eval_loader,
+                       finish=received_finish(eval_data, config.data, accelerator.device))
     finish_command(accelerator)
     return {**metrics, "num_processes": accelerator.num_processes}
 

@@ -1,8 +1,9 @@
 """The model a training run trains, and what Accelerate prepares with it: the optimizer, the schedule, the loaders.
 
 model_for_run builds the model (the same initial weights on every process: the run's seed is set before it);
-prepare_for_training keys its dropout, finds micro_batch_size=auto's micro-batch, compiles it, and hands model,
-optimizer, loaders and schedule to `accelerator.prepare` in the order that keeps a run a function of its config.
+prepare_for_training keys its dropout, finds micro_batch_size=auto's micro-batch and data.num_workers=auto's workers,
+compiles it, and hands model, optimizer, loaders and schedule to `accelerator.prepare` in the order that keeps a run
+a function of its config.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from accel_train.run.snapshot import Prepared
 from accel_train.run.weights import initial_weights
 from accel_train.training.accumulation import fit_micro_batch
 from accel_train.training.dropout import DropoutKeys, key_dropout
+from accel_train.training.feeding import choose_workers
 from accel_train.training.optim import build_optimizer, build_scheduler
 from accel_train.workloads.models import compile_model, tune_for_device
 from accel_train.workloads.tasks import Task
@@ -74,6 +76,9 @@ def prepare_for_training(config: Config, task: Task, accelerator: Accelerator, m
     sharded = shards_gradients(accelerator)
     if accumulation is None and not sharded:
         accumulation = fit_micro_batch(config, accelerator, task, model, data.train)
+    # data.num_workers=auto: measured on the model as it trains, before compiling (whose first pass would be timed);
+    # under FSDP, from the cores (a sharded step is a collective, and the micro-batch is found after preparing)
+    choose_workers(config, accelerator, task, None if sharded else model, data.train, accumulation or 1)
     # the optimizer holds the model's own parameters: compiling in place keeps them
     optimizer = build_optimizer(config.train, model, sharded)
     model = compile_model(model, config.train.compile)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from accelerate.utils import set_seed
 
 from accel_train.config import Config
 from accel_train.console import warn
-from accel_train.data import DataSource, run_data
+from accel_train.data import DataSource, received_finish, run_data
 from accel_train.distributed.accelerator import accelerator_for_run, run_info
 from accel_train.distributed.environment import launcher_environment
 from accel_train.distributed.signals import StopSignals
@@ -63,7 +64,8 @@ class Run:
     selecting_loader: torch.utils.data.DataLoader  # the validation split's, or the test set's without one
     selecting_split: str  # "val" or "test"
     test_loader: torch.utils.data.DataLoader | None  # evaluated once at the end, beside a validation split
-    selecting_finish: Any  # each loader's data's finish: its batches made into the model's input on the device
+    selecting_finish: Any  # each loader's data's finish: its batches made into the model's input on the device (None
+    # where the loader's workers finish them: a CPU run with workers)
     test_finish: Any
     adaptive_eval: AdaptiveEval | None  # micro_batch_size=auto: an eval batch that runs out is redone in halves
     guard: NonFiniteGuard
@@ -136,8 +138,9 @@ def set_up(config: Config, task: Task, sources: Sources, trackers: list[str], pl
     # a run folder in a store: the processes meet in its stuck/, not on a disk they share
     watchdog = Watchdog(accelerator, config.train, progress, stuck_dir(place.folder), signals,
                         place.store_of(STUCK_DIR))
+    finish = partial(received_finish, cfg=config.data, device=accelerator.device)  # None: the loader's workers did
     batches = TrainingBatches(accelerator, trainable.loaders.train, task, config.seed, trainable.accumulation,
-                              progress, start, resumable.meter.timed, watchdog.mark, data.train.finish,
+                              progress, start, resumable.meter.timed, watchdog.mark, finish(data.train),
                               sample_indices=trainable.keys_samples)
     step = AdaptiveStep(accelerator, task, resumable.micro_batch, observers, state, trainable.dropout) if adapts \
         else PlainStep(accelerator, task, config.train, progress, trainable.dropout)
@@ -146,7 +149,7 @@ def set_up(config: Config, task: Task, sources: Sources, trackers: list[str], pl
                optimizer=trainable.optimizer, scheduler=trainable.scheduler, batches=batches, step=step,
                selecting_loader=loaders.val or loaders.test, selecting_split=data.selecting_split,
                test_loader=loaders.test if loaders.val is not None else None,
-               selecting_finish=(data.val or data.test).finish, test_finish=data.test.finish,
+               selecting_finish=finish(data.val or data.test), test_finish=finish(data.test),
                adaptive_eval=AdaptiveEval(accelerator, config.train.collective_timeout_s) if adapts else None,
                guard=NonFiniteGuard(config.train, accelerator), meter=resumable.meter, ema=resumable.ema,
                selection=resumable.selection, checkpoints=checkpoints, progress=progress, start=start, state=state,

@@ -12,7 +12,15 @@ from accelerate.data_loader import prepare_data_loader
 from PIL import Image
 
 from accel_train.config import DataConfig, load_config
-from accel_train.data import Data, InMemoryImages, KeyedSamples, make_loader, sample_keys, start_epoch
+from accel_train.data import (
+    Data,
+    InMemoryImages,
+    KeyedSamples,
+    build_dataset,
+    make_loader,
+    sample_keys,
+    start_epoch,
+)
 from accel_train.data.in_memory import pad_for, random_crop_flip, to_model_input
 from support.commands import launch, train_in_process
 from support.locations import PROBE, USER_RECIPE
@@ -293,6 +301,29 @@ def _registry_shards(root) -> None:
         samples = SourceSplit(split, 24, lambda index: {**ImageStorage("raw").of_pixels(pixels[index]),
                                                         "cls": str(index).encode()}, record)
         _write_split(Store(str(root)), samples, {}, 8_000, 2_000)
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_shards_fetch_a_batch_at_a_time_the_samples_and_keys_they_fetch_one_by_one(augment, tmp_path, monkeypatch):
+    """Raw pixels of the registry's kind, plain and augmented on the device (each sample's key beside it): a worker's
+    batch comes through ShardSamples.__getitems__ (one search for the batch's places), the same samples, labels and
+    keys as one at a time, whatever the batch holds."""
+    from accel_train.data.loaders import keyed
+    from accel_train.data.shards.dataset import ShardSamples
+
+    _registry_shards(tmp_path / "shards")
+    cfg = load_config(USER_RECIPE, ["data.name=shards", "data.synthetic=false", f"data.augment={str(augment).lower()}",
+                                    f"data.root={tmp_path / 'shards'}", f"data.cache_dir={tmp_path / 'cache'}"]).data
+    served = keyed(build_dataset(cfg, train=True).dataset)
+    served.key_epoch(1, seed=3)
+    order = [17, 3, 3, 22, 0, 9]
+    one_by_one = [served.__getitems__([index])[0] for index in order]
+    monkeypatch.setattr(ShardSamples, "__getitem__", lambda self, sample: pytest.fail("read one sample at a time"))
+    batch = served.__getitems__(order)
+    assert len(batch) == len(order) and len(batch[0]) == (3 if augment else 2)
+    for sample, alone, index in zip(batch, one_by_one, order):
+        assert torch.equal(sample[0], alone[0]) and sample[1] == alone[1] == index
+        assert not augment or sample[2] == alone[2] == sample_keys(torch.tensor([index]), 1, 3)[0]
 
 
 def drawn(batches: list) -> dict:

@@ -173,7 +173,9 @@ def test_random_crops_of_raw_photographs_are_cut_on_the_host_and_resized_on_the_
 
     sharded = dataclasses.replace(cfg, val_fraction=0.25)
     _, validation = hold_out_validation(sharded, 0, shards, build_dataset(sharded, train=False))
-    batch = next(iter(make_loader(validation, sharded, 6, False, torch.device("cpu"))))
+    # no worker: the batch as loaded, before the finish (which a CPU's workers would run)
+    batch = next(iter(make_loader(validation, dataclasses.replace(sharded, num_workers=0), 6, False,
+                                  torch.device("cpu"))))
     evaluated = copy.copy(shards.dataset)
     evaluated.transform = transform_of(cfg, evaluated.index, train=False)
     held = validation.dataset.indices[:6]

@@ -158,6 +158,7 @@ KEPT = {
     "_trial_id": lambda: trial_goes_on(importlib.import_module("optuna")),
     "_info": lambda: "_info" in vars(importlib.import_module("evaluate").EvaluationModule),
     "_compute": lambda: "_compute" in vars(importlib.import_module("evaluate").EvaluationModule),
+    "_new_shared": lambda: importlib.import_module("torch").UntypedStorage._new_shared(8).is_shared(),
     "_exit": lambda: callable(os._exit),
     "_current_frames": lambda: threading.main_thread().ident in sys._current_frames(),
 }

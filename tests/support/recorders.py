@@ -42,6 +42,10 @@ class RecordedShardSamples(ShardSamples):
         self.into.append(int(sample))
         return super().__getitem__(sample)
 
+    def __getitems__(self, samples: list[int]) -> list:
+        self.into.extend(int(sample) for sample in samples)
+        return super().__getitems__(samples)
+
 
 def recorded_shards(dataset, into: list):
     """`dataset` (shards, or a Subset of them: data.train_subset) with its ShardSamples recording into `into`; None

@@ -117,7 +117,21 @@ class ShardSamples(Dataset):
         return sample_members(self.cache.read_sample(self.index.shards[shard], self.split, position))
 
     def __getitem__(self, sample: int):
-        members = self.members(sample)
+        return self._made(sample, self.members(sample))
+
+    def __getitems__(self, samples: list[int]) -> list:
+        """A batch's samples: their shards and places found in one search over the batch, not one a sample (a
+        quarter of the time a 28 px raw sample takes here); each sample then made as __getitem__ makes it. The
+        DataLoader's fetcher calls this (through KeyedSamples, where no transform draws at random)."""
+        ids = np.asarray(samples, dtype=np.int64)
+        shards = np.searchsorted(self.starts, ids, side="right") - 1
+        positions = ids - self.starts[shards]
+        return [self._made(sample, sample_members(self.cache.read_sample(self.index.shards[shard], self.split,
+                                                                         position)))
+                for sample, shard, position in zip(samples, shards.tolist(), positions.tolist())]
+
+    def _made(self, sample: int, members: dict[str, bytes]):
+        """Sample id `sample`, of those tar `members`, as the model's input (transformed) and its label or target."""
         found = next((extension for extension in IMAGE_EXTENSIONS if extension in members), None)
         if RAW_PIXELS in members:  # nothing to decode (the copy: a tensor of its own, writable)
             inputs = torch.from_numpy(pixels_of(members[RAW_PIXELS]).copy())
