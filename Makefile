@@ -34,9 +34,10 @@ PYTEST := $(WRITE_BYTECODE) $(BIN)/python -m pytest
 # The GPU machine's python3 (3.12, torch, accelerate, torchvision, pandas, pyarrow, xxhash, fsspec, huggingface-hub,
 # pytest, pytest-xdist, ...) lacks these of accel-train's dependencies and theirs, nothing else: datasets and evaluate
 # (and their dill and multiprocess, at datasets' bounds), plus webdataset and braceexpand, which two test files of
-# the fast tier import. Pure-Python wheels, about 1 MiB; the versions make test installs here.
+# the fast tier import, and simplejpeg (data.decode=scaled; without it JPEGs are decoded at full size). Pure-Python
+# wheels but simplejpeg's (cp312 manylinux), about 2 MiB; the versions make test installs here.
 GPU_WHEELS := .gpu-wheels
-GPU_WHEEL_PINS := datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 webdataset==1.0.2 braceexpand==0.1.7
+GPU_WHEEL_PINS := datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 webdataset==1.0.2 braceexpand==0.1.7 simplejpeg==1.9.0
 
 .PHONY: install data fashion-mnist photographs demo lint test test-fast test-min mutations gpu-wheels gpu-check \
 	gpu-data gpu-bench clean

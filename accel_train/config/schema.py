@@ -99,6 +99,10 @@ class DataConfig:
     interpolation: Literal["bilinear", "bicubic"] | None = doc(
         "ImageFolder-like data: how crops and evaluation resize images (unset: bilinear, or the hf:/timm: model's)",
         default=None)
+    decode: Literal["scaled", "full"] = doc(
+        "data.name=imagefolder, JPEG files: scaled decodes each at the smallest of libjpeg-turbo's 1/2, 1/4 and 1/8 "
+        "DCT scales that keeps the training crop (evaluation's resize) at least the output size, within a stated "
+        "tolerance of full (simplejpeg; docs/contracts.md); full: every file at full size", default="scaled")
     num_workers: int | Literal["auto"] = doc("DataLoader worker processes per process (file-backed datasets); auto: "
                                              "training measures a micro-batch loaded in the main process against a "
                                              "training step and takes the fewest that keep the step fed (none where "

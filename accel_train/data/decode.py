@@ -4,6 +4,8 @@ JPEG, PNG, WebP and GIF go through TorchCodec's image decoders where it is insta
 torch >= 2.11), else through torchvision.io's, which torchvision 0.29 deprecates for TorchCodec's: both libjpeg-turbo
 and libpng into a tensor, without PIL's image object and its copy. Other formats, and both missing, go through PIL.
 The pixels are the same either way (libjpeg-turbo at its default settings). A damaged file is one line naming it.
+With data.decode=scaled an ImageFolder's JPEGs are read as EncodedJpeg (bytes and header size) and decoded by the
+transform at a DCT scale of 1/2, 1/4 or 1/8 through simplejpeg (decoded_at), where the crop needs no more pixels.
 Samples stay uint8 through their transforms, the collation and the copy to the device (a quarter of the bytes of
 float32); `ImagesToModelInput` scales and normalises whole batches there.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -86,6 +89,99 @@ def _decoded_by_pil(data: bytes, name: str, reader: str) -> torch.Tensor:
             return functional.pil_to_tensor(image.convert("RGB"))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise unreadable_image(name, reader, str(err)) from None
+
+
+# libjpeg-turbo's DCT scales that decode faster than full size: its SIMD code has 1/2, 1/4 and 1/8, not 7/8 or 3/4
+# (those decode slower than full size, measured)
+DCT_FACTORS = (8, 4, 2)
+_SCALABLE_COLOURS = ("YCbCr", "Gray")  # simplejpeg decodes these to RGB; CMYK and YCCK go to the full-size decoder
+_EXIF_ORIENTATION = 0x0112
+
+
+@dataclass(frozen=True)
+class EncodedJpeg:
+    """A JPEG file's bytes and its size from the header, read ahead of decoding (data.decode=scaled): the transform
+    draws its crop from the size, then decodes at the scale the crop needs (decoded_at)."""
+
+    data: bytes
+    name: str  # where the bytes came from, for the line of a damaged file
+    reader: str
+    height: int
+    width: int
+
+
+def read_encoded(path: str, reader: str = "imagefolder") -> EncodedJpeg | torch.Tensor:
+    """ImageFolder's loader with data.decode=scaled: a JPEG that can be decoded at a DCT scale as EncodedJpeg (its
+    bytes and header size, decoded by the transform); any other file decoded at full size as read_image does."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as err:
+        raise unreadable_image(path, reader, err.strerror or str(err)) from None
+    size = _scalable_jpeg_size(data)
+    return decode_image_bytes(data, path, reader) if size is None else EncodedJpeg(data, path, reader, *size)
+
+
+def _scalable_jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) of a JPEG that simplejpeg decodes at a scale into the pixels the full-size decoder gives, else
+    None: not a JPEG, simplejpeg missing, CMYK, a header it cannot read (the full-size decoder then says what is
+    wrong, as with data.decode=full), or an EXIF orientation (TorchCodec turns the image, simplejpeg does not)."""
+    simplejpeg = scaling_decoder()
+    if simplejpeg is None or not data.startswith(b"\xff\xd8\xff"):
+        return None
+    try:
+        height, width, colours, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colours not in _SCALABLE_COLOURS or exif_orientation(data) not in (None, 1):
+        return None
+    return height, width
+
+
+def exif_orientation(data: bytes) -> int | None:
+    """A JPEG's EXIF orientation tag (1: as stored), None where it has none: its APP1 segment's first IFD, read
+    from the markers before the image data."""
+    at = 2
+    while at + 4 <= len(data) and data[at] == 0xFF:
+        marker, length = data[at + 1], int.from_bytes(data[at + 2:at + 4], "big")
+        if marker in (0xDA, 0xD9):  # the image data starts, or the file ends: no EXIF before them
+            return None
+        if marker == 0xE1 and data[at + 4:at + 10] == b"Exif\0\0":
+            tiff = data[at + 10:at + 2 + length]
+            order = "little" if tiff[:2] == b"II" else "big"
+            ifd = int.from_bytes(tiff[4:8], order)
+            for entry in range(int.from_bytes(tiff[ifd:ifd + 2], order)):
+                field = tiff[ifd + 2 + 12 * entry:ifd + 14 + 12 * entry]
+                if int.from_bytes(field[:2], order) == _EXIF_ORIENTATION:
+                    return int.from_bytes(field[8:10], order)
+            return None
+        at += 2 + length
+    return None
+
+
+def decoded_at(jpeg: EncodedJpeg, factor: int) -> torch.Tensor:
+    """The JPEG as uint8 (3, H, W) RGB at 1/factor of its size (libjpeg's DCT scaling: ceil(side / factor) pixels,
+    each about the mean of factor x factor pixels of the full size, fewer in the last row and column where a side
+    is not a multiple). At factor 1, the full-size decoder's pixels: libjpeg-turbo at its default settings, as
+    TorchCodec's and torchvision.io's (a test holds each to PIL's), and faster than theirs on small photographs."""
+    decode = scaling_decoder().decode_jpeg
+    try:  # min_factor with the sizes of 1/factor: that scale, not a nearer one (7/8, 3/4: slower than full size)
+        pixels = decode(jpeg.data) if factor == 1 else decode(
+            jpeg.data, min_factor=factor, min_height=-(-jpeg.height // factor), min_width=-(-jpeg.width // factor))
+    except ValueError as err:
+        raise unreadable_image(jpeg.name, jpeg.reader, str(err).splitlines()[0]) from None
+    return torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+@functools.cache
+def scaling_decoder():
+    """simplejpeg (libjpeg-turbo in a wheel, with its DCT scaling), or None where it is missing (every JPEG then
+    decoded at full size)."""
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    return simplejpeg
 
 
 def shrunk(pixels: torch.Tensor, short_side: int | None) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """The user's own images in folders: data.root/train/<class>/*.jpg, data.root/test/ (or val/) the same way, decoded
-straight into uint8 tensors (decode.py) and transformed per sample as uint8 (torchvision's ImageFolder and transforms
-v2); the batches are scaled and normalised on the device (decode.ImagesToModelInput)."""
+straight into uint8 tensors (decode.py; JPEGs at the scale their crop needs with data.decode=scaled) and transformed
+per sample as uint8 (torchvision's ImageFolder and transforms v2); the batches are scaled and normalised on the
+device (decode.ImagesToModelInput)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from pathlib import Path
 
@@ -16,7 +19,16 @@ from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
 from accel_train.data.classes import label_indices
-from accel_train.data.decode import ImagesToModelInput, read_image, unreadable_image
+from accel_train.data.decode import (
+    DCT_FACTORS,
+    EncodedJpeg,
+    ImagesToModelInput,
+    decoded_at,
+    read_encoded,
+    read_image,
+    scaling_decoder,
+    unreadable_image,
+)
 from accel_train.data.in_memory import augment_draws
 from accel_train.data.registry import (
     DATASETS,
@@ -26,7 +38,10 @@ from accel_train.data.registry import (
     FakeImages,
     given_normalization,
 )
+from accel_train.distributed.environment import launcher_environment
 from accel_train.errors import DataNotFoundError
+
+logger = logging.getLogger(__name__)
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DEFAULT_CROP_FRACTION = 0.875  # torchvision's evaluation: 224 px of 256
@@ -90,11 +105,12 @@ def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | N
                      classes: list[str] | None = None) -> Data:
     """An ImageFolder split; `classes`: the run's class names, which its labels index (None: its own folders')."""
     size = cfg.image_size or 224
+    loader = read_encoded if decodes_scaled(cfg) else read_image  # JPEGs decoded by the transform, at their scale
     try:
         if classes is None:
-            dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=read_image)
+            dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=loader)
         else:
-            dataset = ImageFolderByName(str(split_dir), classes, transform=transform, loader=read_image)
+            dataset = ImageFolderByName(str(split_dir), classes, transform=transform, loader=loader)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"imagefolder: {err}; expected {split_dir}/<class>/<images>") from None
     dataset.draws_from = augment_draws(augmenting)  # the generators our transforms draw from (KeyedSamples)
@@ -109,17 +125,110 @@ def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | N
     on the device by imagefolder_finish. Random erasing (data.random_erasing) erases normalised pixels, as timm does:
     where it is on, the training samples are normalised here, on the host, with the same operations."""
     size, mode = cfg.image_size or 224, interpolation_of(cfg)
+    # The same draws, from a JPEG's header size where data.decode=scaled (the loader then gives EncodedJpeg)
+    crop, resize = (RandomResizedCropAtScale, ResizeAtScale) if decodes_scaled(cfg) else \
+        (v2.RandomResizedCrop, v2.Resize)
     if train:
-        transform = [v2.RandomResizedCrop(size, interpolation=mode, antialias=True), v2.RandomHorizontalFlip()] \
-            if cfg.augment else [v2.Resize(size, interpolation=mode, antialias=True), v2.CenterCrop(size)]
+        transform = [crop(size, interpolation=mode, antialias=True), v2.RandomHorizontalFlip()] \
+            if cfg.augment else [resize(size, interpolation=mode, antialias=True), v2.CenterCrop(size)]
         transform += [v2.TrivialAugmentWide()] if cfg.trivial_augment else []  # on uint8, as it expects
     else:
-        transform = [v2.Resize(evaluation_resize(cfg), interpolation=mode, antialias=True), v2.CenterCrop(size)]
+        transform = [resize(evaluation_resize(cfg), interpolation=mode, antialias=True), v2.CenterCrop(size)]
     on_host = []
     if train and cfg.random_erasing:  # after normalising, as timm erases
         on_host = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(*imagefolder_normalization(cfg, normalization)),
                    v2.RandomErasing(cfg.random_erasing)]
     return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, *on_host])
+
+
+def decodes_scaled(cfg: DataConfig) -> bool:
+    """Whether an ImageFolder's JPEGs are decoded at the scale their crop needs: data.decode=scaled, simplejpeg
+    installed (else one note, and full size)."""
+    if cfg.name != "imagefolder" or cfg.decode != "scaled":
+        return False
+    if scaling_decoder() is None:
+        _note_full_size_decoding()
+        return False
+    return True
+
+
+@functools.cache
+def _note_full_size_decoding() -> None:
+    if launcher_environment().is_reporting_process:
+        logger.warning("data.decode=scaled: simplejpeg is not installed (pip install simplejpeg), so JPEGs are "
+                       "decoded at full size, as data.decode=full does")
+
+
+class RandomResizedCropAtScale(v2.RandomResizedCrop):
+    """RandomResizedCrop that also takes an EncodedJpeg: its box drawn from the header's size by the same draws
+    (get_params reads only the size), so the same box from the same sample key; then cut from a decode at the
+    smallest DCT scale that keeps the box at least the output size on both sides, and resized as RandomResizedCrop
+    resizes. Images and tensors go through RandomResizedCrop itself."""
+
+    def forward(self, *inputs):
+        if len(inputs) != 1 or not isinstance(inputs[0], EncodedJpeg):
+            return super().forward(*inputs)
+        jpeg = inputs[0]
+        box = T.RandomResizedCrop.get_params(torch.empty(0, jpeg.height, jpeg.width), self.scale, self.ratio)
+        factor = crop_factor(box, self.size)
+        return v2.functional.resized_crop(decoded_at(jpeg, factor), *scaled_box(box, factor), list(self.size),
+                                          interpolation=self.interpolation, antialias=self.antialias)
+
+
+class ResizeAtScale(v2.Resize):
+    """Resize (to a short side) that also takes an EncodedJpeg: decoded at the smallest DCT scale that keeps both
+    sides at least those of Resize's output, then resized to exactly that output's size (from the header's size, as
+    Resize computes it from a full-size decode). Images and tensors go through Resize itself."""
+
+    def forward(self, *inputs):
+        if len(inputs) != 1 or not isinstance(inputs[0], EncodedJpeg):
+            return super().forward(*inputs)
+        jpeg = inputs[0]
+        height, width = short_side_resized(jpeg.height, jpeg.width, self.size[0])
+        factor = resize_factor((jpeg.height, jpeg.width), (height, width))
+        pixels = decoded_at(jpeg, factor)
+        if factor == 1:
+            return super().forward(pixels)
+        return v2.functional.resize(pixels, [height, width], interpolation=self.interpolation,
+                                    antialias=self.antialias)
+
+
+def short_side_resized(height: int, width: int, short_side: int) -> tuple[int, int]:
+    """The (height, width) Resize(short_side) gives an image of (height, width): the short side at `short_side`, the
+    long one scaled and rounded down (torchvision's _compute_resized_output_size)."""
+    short, long = sorted((height, width))
+    long = int(short_side * long / short)
+    return (long, short_side) if width <= height else (short_side, long)
+
+
+def resize_factor(size: tuple[int, int], resized: tuple[int, int]) -> int:
+    """The largest DCT factor (8, 4, 2, else 1) at which an image of `size` (height, width), decoded at that scale
+    (ceil(side / factor) pixels), is at least `resized` on both sides: the resize after it then only shrinks."""
+    return next((factor for factor in DCT_FACTORS if all(-(-side // factor) >= least
+                                                         for side, least in zip(size, resized))), 1)
+
+
+def crop_factor(box: tuple[int, int, int, int], size: tuple[int, int]) -> int:
+    """The largest DCT factor (8, 4, 2, else 1) at which the crop box (top, left, height, width), cut at that scale
+    (scaled_box), is at least `size` (height, width): the resize after it then only shrinks, as from full size."""
+    for factor in DCT_FACTORS:
+        _, _, height, width = scaled_box(box, factor)
+        if height >= size[0] and width >= size[1]:
+            return factor
+    return 1
+
+
+def scaled_box(box: tuple[int, int, int, int], factor: int) -> tuple[int, int, int, int]:
+    """A crop box (top, left, height, width) in full-size pixels, in those of a decode at 1/factor: scaled pixel i
+    holds full-size pixels [i * factor, (i + 1) * factor), so each edge divided by `factor`, to the nearest pixel."""
+    top, left, height, width = box
+    first_row, first_column = _nearest(top / factor), _nearest(left / factor)
+    return (first_row, first_column, _nearest((top + height) / factor) - first_row,
+            _nearest((left + width) / factor) - first_column)
+
+
+def _nearest(value: float) -> int:
+    return math.floor(value + 0.5)
 
 
 def evaluation_resize(cfg: DataConfig) -> int:

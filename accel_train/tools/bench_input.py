@@ -4,7 +4,8 @@ and the cores a GPU needs to be fed at a stated demand.
 
 Rows: decoding alone (accel-train's decoder: TorchCodec's or torchvision.io's libjpeg-turbo straight into a tensor;
 the limit for a pipeline that decodes every image); torchvision's recipe (ImageFolder, PIL, transforms v2 with
-Normalize on the CPU, a DataLoader: what a user writes); accel-train's ImageFolder path (data.name=imagefolder);
+Normalize on the CPU, a DataLoader: what a user writes); accel-train's ImageFolder path (data.name=imagefolder), its
+JPEGs decoded at full size (data.decode=full) and at the scale each crop needs (data.decode=scaled, the default);
 its shards of the same folder (images as given; JPEG shrunk to the evaluation resize; raw pixels at that size; each
 from a warm cache); webdataset's loader over the shards of images as given with
 torchvision's recipe; litdata's and NVIDIA DALI's CPU pipelines are named with why they have no row. Every row trains
@@ -102,8 +103,11 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
             ("torchvision's recipe: ImageFolder, PIL, transforms v2, Normalize on the CPU",
              lambda workers: plain_loader(torchvision_imagefolder(data.root, recipe_transform), batch, workers,
                                           device), False),
-            ("accel-train ImageFolder (data.name=imagefolder)",
-             lambda workers: our_loader(accelerator, data, batch, workers), False),
+            ("accel-train ImageFolder, JPEGs decoded at full size (data.decode=full)",
+             lambda workers: our_loader(accelerator, dataclasses.replace(data, decode="full"), batch, workers),
+             False),
+            ("accel-train ImageFolder, JPEGs decoded at the scale the crop needs (data.decode=scaled)",
+             lambda workers: our_loader(accelerator, scaled_decoding(data), batch, workers), False),
             ("accel-train shards of that folder, images as given, warm cache",
              lambda workers: our_loader(accelerator, shards, batch, workers), True),
             (f"accel-train shards, JPEG shrunk to a short side of {resize} px (images=jpeg), warm cache",
@@ -209,6 +213,15 @@ def our_loader(accelerator, cfg: DataConfig, batch: int, workers: int):
     start_epoch(loader, 0, 0)
     finish = received_finish(data, cfg, accelerator.device)  # None: the workers finished them (a CPU with workers)
     return (model_input(finish, batch)[0] for batch in loader)
+
+
+def scaled_decoding(cfg: DataConfig) -> DataConfig:
+    """`cfg` with data.decode=scaled; ImportError where simplejpeg is missing (the row then says so)."""
+    from accel_train.data.decode import scaling_decoder
+
+    if scaling_decoder() is None:
+        raise ImportError("simplejpeg is missing", name="simplejpeg")
+    return dataclasses.replace(cfg, decode="scaled")
 
 
 def webdataset_loader(shards: Path, transform, batch: int, workers: int, device: torch.device):

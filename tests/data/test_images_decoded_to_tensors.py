@@ -97,8 +97,10 @@ def test_samples_stay_uint8_to_the_device_and_float_batches_pass_the_finish_as_t
 
 
 def test_every_decoder_gives_the_same_pixels_as_pil(tree):
-    """TorchCodec's decoders, torchvision.io's (deprecated from torchvision 0.29) and PIL's: one libjpeg-turbo and one
-    libpng, the same pixels; so a run's numbers do not depend on which is installed."""
+    """TorchCodec's decoders, torchvision.io's (deprecated from torchvision 0.29), simplejpeg's (data.decode=scaled's,
+    at full size) and PIL's: one libjpeg-turbo and one libpng, the same pixels; so a run's numbers do not depend on
+    which is installed."""
+    import simplejpeg
     from torchvision.io import ImageReadMode, decode_image
 
     files = sorted(path for path in tree.rglob("*") if path.is_file())
@@ -110,6 +112,8 @@ def test_every_decoder_gives_the_same_pixels_as_pil(tree):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             assert torch.equal(decode_image(str(path), mode=ImageReadMode.RGB), expected), path
+        if path.suffix == ".jpg":
+            assert torch.equal(torch.from_numpy(simplejpeg.decode_jpeg(path.read_bytes())).permute(2, 0, 1), expected)
         try:
             from torchcodec.decoders import decode_image as torchcodec_decode
         except Exception:  # not installed, or built for another torch

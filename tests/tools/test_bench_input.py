@@ -50,7 +50,9 @@ def test_bench_input_measures_every_way_on_the_same_files_at_one_core_and_at_all
                      f"data.root={photos}", f"output_dir={tmp_path}", timeout=600)
     bench = json.loads((tmp_path / "bench_input.json").read_text())
     measured = [row for row in bench["rows"] if "all_cores" in row]
-    starts = ["decoding alone", "torchvision's recipe", "accel-train ImageFolder", "accel-train shards of that folder",
+    starts = ["decoding alone", "torchvision's recipe", "accel-train ImageFolder, JPEGs decoded at full size (data."
+              "decode=full)", "accel-train ImageFolder, JPEGs decoded at the scale the crop needs (data.decode=scaled)",
+              "accel-train shards of that folder",
               "accel-train shards, JPEG shrunk to a short side of 256 px", "accel-train shards, raw pixels at a short "
               "side of 256 px", "webdataset's loader"]
     assert len(measured) == len(starts) and all(row["path"].startswith(start) for row, start in zip(measured, starts))
