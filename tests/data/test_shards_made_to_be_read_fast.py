@@ -205,10 +205,12 @@ def test_predict_of_a_file_shrinks_it_as_its_shard_was_shrunk(photos, tmp_path):
 @needs_fashion_mnist
 def test_a_run_from_raw_pixel_shards_resumed_after_a_crash_equals_one_run_uninterrupted(tmp_path):
     cfg = load_config("fashion_mnist_cnn", [f"data.root={tmp_path / 'fashion_mnist'}"]).data
-    write_shards(dataclasses.replace(cfg, train_subset=192, eval_subset=64), str(tmp_path / "shards"),
-                 shard_mb=0.02, block_mb=0.005)
+    # 2 epochs of 6 steps of 16 over 8 shards or so, 2 loader workers reading them; the crash after step 4's
+    # checkpoint, mid-epoch
+    write_shards(dataclasses.replace(cfg, train_subset=96, eval_subset=32), str(tmp_path / "shards"),
+                 shard_mb=0.01, block_mb=0.0025)
     run = ["fashion_mnist_cnn", "data.name=shards", f"data.root={tmp_path / 'shards'}", "data.num_workers=2",
-           "data.augment=true", "train.batch_size=32", "train.epochs=2", "checkpoint.every_steps=4",
+           "data.augment=true", "train.batch_size=16", "train.epochs=2", "checkpoint.every_steps=4",
            "train.plot=false"]
 
     train_in_process(*run, f"data.cache_dir={tmp_path / 'cache1'}", f"output_dir={tmp_path / 'whole'}")
