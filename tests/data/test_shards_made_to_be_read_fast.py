@@ -25,6 +25,7 @@ from support.locations import USER_RECIPE, needs_fashion_mnist, needs_photos
 from support.runs import assert_same_run, crash_after_checkpoint_then_resume
 
 SIZE, RESIZE = 32, 36  # the evaluation transform at data.image_size=32: Resize(int(32 * 256 / 224)), CenterCrop(32)
+TRAIN, TEST = 12, 6  # the photographs' folder: 6 classes (each photograph decoded once), 2 train images of each
 
 
 def test_the_registrys_uint8_pixels_finished_on_the_device_are_the_float_paths_inputs():
@@ -90,7 +91,7 @@ def photos(tmp_path_factory):
     from accel_train.tools.photos import make_photo_folder
 
     tmp = tmp_path_factory.mktemp("photos")
-    tree = make_photo_folder(tmp / "tree", train=24, test=12)
+    tree = make_photo_folder(tmp / "tree", train=TRAIN, test=TEST)
     cfg = load_config("imagefolder", [f"data.root={tree}"]).data
     write_shards(cfg, str(tmp / "raw"), shard_mb=0.5, images="raw", shrink_to=RESIZE)
     write_shards(cfg, str(tmp / "jpeg"), shard_mb=0.5, images="jpeg", shrink_to=RESIZE)
@@ -107,11 +108,11 @@ def test_photographs_shrunk_to_the_evaluation_resize_are_stored_at_that_short_si
     tree, raw, jpeg = photos
     for root, images, member in ((raw, "raw", "pixels.npy"), (jpeg, "jpeg", "jpg")):
         index = read_index(Store(str(root)), "test")
-        assert (index.images, index.shrink_to, index.samples) == (images, RESIZE, 12)
+        assert (index.images, index.shrink_to, index.samples) == (images, RESIZE, TEST)
         samples = build_dataset(_shards(root, tmp_path), train=False).dataset
         assert set(samples.members(0)) == {member, "cls"}
     stored = build_dataset(_shards(raw, tmp_path), train=False).dataset
-    sides = {min(pixels_of(stored.members(index)["pixels.npy"]).shape[1:]) for index in range(12)}
+    sides = {min(pixels_of(stored.members(index)["pixels.npy"]).shape[1:]) for index in range(TEST)}
     assert sides == {RESIZE}, "every photograph (400 px and wider) shrunk to a short side of RESIZE"
 
 
@@ -122,8 +123,8 @@ def test_evaluation_from_raw_pixel_shards_shrunk_to_its_resize_equals_evaluation
     tree, raw, _ = photos
     on_tree = build_dataset(DataConfig(name="imagefolder", root=str(tree), image_size=SIZE), train=False)
     on_shards = build_dataset(_shards(raw, tmp_path), train=False)
-    assert len(on_tree.dataset) == len(on_shards.dataset) == 12
-    for index in range(12):
+    assert len(on_tree.dataset) == len(on_shards.dataset) == TEST
+    for index in range(TEST):
         (ours, label), (theirs, their_label) = on_shards.dataset[index], on_tree.dataset[index]
         assert ours.dtype == torch.uint8 and label == their_label and torch.equal(ours, theirs), index
 
@@ -133,7 +134,7 @@ def test_evaluation_from_raw_pixel_shards_shrunk_to_its_resize_equals_evaluation
                      "train.batch_size=8", "train.epochs=1", "train.plot=false",
                      f"output_dir={run}")
     from_tree = api.evaluate(str(run), overrides=["data.name=imagefolder", f"data.root={tree}"])
-    assert from_tree["num_samples"] == 12 and from_tree == api.evaluate(str(run))
+    assert from_tree["num_samples"] == TEST and from_tree == api.evaluate(str(run))
 
 
 
@@ -159,7 +160,7 @@ def test_random_crops_of_raw_photographs_are_cut_on_the_host_and_resized_on_the_
     on_host = dataclasses.replace(shards, dataset=copy.copy(shards.dataset))
     on_host.dataset.transform = imagefolder_transform(cfg, train=True)  # RandomResizedCrop, flip: on the host
     served, served_on_host = KeyedSamples(shards.dataset, {"torch"}), KeyedSamples(on_host.dataset, {"torch"})
-    indices = list(range(0, 24, 2))
+    indices = list(range(0, TRAIN, 2))
     for epoch in (0, 1):
         for keyed in (served, served_on_host):
             keyed.key_epoch(epoch, seed=7)
