@@ -84,7 +84,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session):
     processes.end_started()  # a test cut short (Ctrl-C) never reached its teardown
-    gc.unfreeze()  # as before the freeze at exit (frozen, CI's workers printed triton's nanobind leak report)
+    if not hasattr(session.config, "workerinput"):  # a worker ends without freeing anything (pytest_unconfigure)
+        gc.unfreeze()  # as before the freeze at exit (frozen, CI's workers printed triton's nanobind leak report)
 
 
 @pytest.hookimpl(trylast=True)
