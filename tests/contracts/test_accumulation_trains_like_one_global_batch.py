@@ -89,7 +89,9 @@ def test_gradients_are_all_reduced_once_per_optimizer_step_not_per_micro_batch(s
 
 
 def test_resume_with_accumulation_stopped_mid_epoch_equals_the_uninterrupted_run(tmp_path):
-    run = [*SAME_GLOBAL_BATCH, "train.accumulation_steps=4", "checkpoint.every_steps=2"]
+    # 2 epochs of 3 steps as SAME_GLOBAL_BATCH's, of 12 samples in 4 micro-batches of 3 (half its samples)
+    run = [*SAME_GLOBAL_BATCH, "data.train_subset=45", "data.eval_subset=20", "train.batch_size=12",
+           "train.accumulation_steps=4", "checkpoint.every_steps=2"]
     train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
     # step 4: mid-epoch 1, between train lines' checkpoints
     crash_after_checkpoint_then_resume(4, *run, f"output_dir={tmp_path / 'resumed'}")

@@ -26,6 +26,7 @@ from support.locations import USER_RECIPE, needs_fashion_mnist, needs_photos
 from support.runs import assert_same_run, crash_after_checkpoint_then_resume
 
 SIZE, RESIZE = 32, 36  # the evaluation transform at data.image_size=32: Resize(int(32 * 256 / 224)), CenterCrop(32)
+TRAIN, TEST = 12, 6  # the photographs' folder: 6 classes (each photograph decoded once), 2 train images of each
 
 
 def test_the_registrys_uint8_pixels_finished_on_the_device_are_the_float_paths_inputs():
@@ -91,7 +92,7 @@ def photos(tmp_path_factory):
     from accel_train.tools.photos import make_photo_folder
 
     tmp = tmp_path_factory.mktemp("photos")
-    tree = make_photo_folder(tmp / "tree", train=24, test=12)
+    tree = make_photo_folder(tmp / "tree", train=TRAIN, test=TEST)
     cfg = load_config("imagefolder", [f"data.root={tree}"]).data
     write_shards(cfg, str(tmp / "raw"), shard_mb=0.5, images="raw", shrink_to=RESIZE)
     write_shards(cfg, str(tmp / "jpeg"), shard_mb=0.5, images="jpeg", shrink_to=RESIZE)
@@ -108,11 +109,11 @@ def test_photographs_shrunk_to_the_evaluation_resize_are_stored_at_that_short_si
     tree, raw, jpeg = photos
     for root, images, member in ((raw, "raw", "pixels.npy"), (jpeg, "jpeg", "jpg")):
         index = read_index(Store(str(root)), "test")
-        assert (index.images, index.shrink_to, index.samples) == (images, RESIZE, 12)
+        assert (index.images, index.shrink_to, index.samples) == (images, RESIZE, TEST)
         samples = build_dataset(_shards(root, tmp_path), train=False).dataset
         assert set(samples.members(0)) == {member, "cls"}
     stored = build_dataset(_shards(raw, tmp_path), train=False).dataset
-    sides = {min(pixels_of(stored.members(index)["pixels.npy"]).shape[1:]) for index in range(12)}
+    sides = {min(pixels_of(stored.members(index)["pixels.npy"]).shape[1:]) for index in range(TEST)}
     assert sides == {RESIZE}, "every photograph (400 px and wider) shrunk to a short side of RESIZE"
 
 
@@ -125,8 +126,8 @@ def test_evaluation_from_raw_pixel_shards_shrunk_to_its_resize_equals_evaluation
     on_tree = build_dataset(DataConfig(name="imagefolder", root=str(tree), image_size=SIZE, decode="full"),
                             train=False)
     on_shards = build_dataset(_shards(raw, tmp_path), train=False)
-    assert len(on_tree.dataset) == len(on_shards.dataset) == 12
-    for index in range(12):
+    assert len(on_tree.dataset) == len(on_shards.dataset) == TEST
+    for index in range(TEST):
         (ours, label), (theirs, their_label) = on_shards.dataset[index], on_tree.dataset[index]
         assert ours.dtype == torch.uint8 and label == their_label and torch.equal(ours, theirs), index
 
@@ -136,7 +137,7 @@ def test_evaluation_from_raw_pixel_shards_shrunk_to_its_resize_equals_evaluation
                      "train.batch_size=8", "train.epochs=1", "train.plot=false",
                      f"output_dir={run}")
     from_tree = api.evaluate(str(run), overrides=["data.name=imagefolder", f"data.root={tree}", "data.decode=full"])
-    assert from_tree["num_samples"] == 12 and from_tree == api.evaluate(str(run))
+    assert from_tree["num_samples"] == TEST and from_tree == api.evaluate(str(run))
 
 
 
@@ -162,7 +163,7 @@ def test_random_crops_of_raw_photographs_are_cut_on_the_host_and_resized_on_the_
     on_host = dataclasses.replace(shards, dataset=copy.copy(shards.dataset))
     on_host.dataset.transform = imagefolder_transform(cfg, train=True)  # RandomResizedCrop, flip: on the host
     served, served_on_host = KeyedSamples(shards.dataset, {"torch"}), KeyedSamples(on_host.dataset, {"torch"})
-    indices = list(range(0, 24, 2))
+    indices = list(range(0, TRAIN, 2))
     for epoch in (0, 1):
         for keyed in (served, served_on_host):
             keyed.key_epoch(epoch, seed=7)
@@ -210,10 +211,12 @@ def test_predict_of_a_file_shrinks_it_as_its_shard_was_shrunk(photos, tmp_path):
 @needs_fashion_mnist
 def test_a_run_from_raw_pixel_shards_resumed_after_a_crash_equals_one_run_uninterrupted(tmp_path):
     cfg = load_config("fashion_mnist_cnn", [f"data.root={tmp_path / 'fashion_mnist'}"]).data
-    write_shards(dataclasses.replace(cfg, train_subset=192, eval_subset=64), str(tmp_path / "shards"),
-                 shard_mb=0.02, block_mb=0.005)
+    # 2 epochs of 6 steps of 16 over 8 shards or so, 2 loader workers reading them; the crash after step 4's
+    # checkpoint, mid-epoch
+    write_shards(dataclasses.replace(cfg, train_subset=96, eval_subset=32), str(tmp_path / "shards"),
+                 shard_mb=0.01, block_mb=0.0025)
     run = ["fashion_mnist_cnn", "data.name=shards", f"data.root={tmp_path / 'shards'}", "data.num_workers=2",
-           "data.augment=true", "train.batch_size=32", "train.epochs=2", "checkpoint.every_steps=4",
+           "data.augment=true", "train.batch_size=16", "train.epochs=2", "checkpoint.every_steps=4",
            "train.plot=false"]
 
     train_in_process(*run, f"data.cache_dir={tmp_path / 'cache1'}", f"output_dir={tmp_path / 'whole'}")

@@ -245,15 +245,16 @@ def test_a_single_process_that_stops_names_itself_and_ends_with_exit_6(tmp_path,
 
 
 def test_a_long_evaluation_checkpoint_save_or_first_step_is_not_taken_for_a_stuck_process(tmp_path):
-    # Each lasts 1.2 s, past train.stuck_after_s=0.8: the evaluation in batches that keep coming, the save and the
-    # first step of the start untimed. Steps: 2 an epoch, 2 epochs, an evaluation and a save after each. The time
-    # between the first step's end and the next micro-batch (0.3 s here, a log line or a hook) is timed from that
-    # end, not from the first step's micro-batch, which came before its long forward pass.
-    ends = Ends(first_save_s=1.2, after_first_step_s=0.3)
-    eval_data = Paced(20, 1, pause=lambda call: 0.12 if call <= 20 else 0.0)  # the first evaluation: 10 batches
+    # Each lasts 0.75 s, past train.stuck_after_s=0.5 by 5 of the watchdog's ticks (a tenth of it): the evaluation in
+    # batches that keep coming, the save and the first step of the start untimed. Steps: 2 an epoch, 2 epochs, an
+    # evaluation and a save after each. The time between the first step's end and the next micro-batch (0.2 s here,
+    # a log line or a hook) is timed from that end, not from the first step's micro-batch, which came before its long
+    # forward pass (0.95 s before).
+    ends = Ends(first_save_s=0.75, after_first_step_s=0.2)
+    eval_data = Paced(20, 1, pause=lambda call: 0.075 if call <= 20 else 0.0)  # the first evaluation: 10 batches
     with hooks.added(ends):
         metrics = train_paced(tmp_path, Paced(24, 0), eval_data, "train.epochs=2", "train.eval_batch_size=2",
-                              "train.stuck_after_s=0.8", first_s=1.2)
+                              "train.stuck_after_s=0.5", first_s=0.75)
     assert ends.ended == [] and not (tmp_path / "stuck").exists()
     assert metrics["num_samples"] == 20 and [line["step"] for line in read_metrics(tmp_path, "test")] == [2, 4]
 

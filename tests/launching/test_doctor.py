@@ -88,7 +88,7 @@ def test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_
         doctor, listening_port):
     started = time.monotonic()
     result = doctor(*MULTI_NODE, "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
-                    "--main_process_port", str(listening_port), "--timeout", "2")
+                    "--main_process_port", str(listening_port), "--timeout", "0.5")
     assert time.monotonic() - started < 10  # torch's own client would wait for an answer forever
     assert result.returncode == 1, result.stdout
     assert f"main process       127.0.0.1:{listening_port} accepted a connection, but what answers is not a torch " \
@@ -96,7 +96,7 @@ def test_doctor_on_a_worker_node_does_not_take_whatever_accepts_connections_for_
     assert "rendezvous answers" not in result.stdout
     (problem,) = problems(result)
     assert f"127.0.0.1:{listening_port} accepted a connection, but what answers is not a torch rendezvous " \
-           "(no answer in 2 s): another program on that port, or a proxy or firewall" in problem
+           "(no answer in 0.5 s): another program on that port, or a proxy or firewall" in problem
 
 
 def test_doctor_names_each_problem_in_one_line_and_exits_nonzero(doctor):

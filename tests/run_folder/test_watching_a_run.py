@@ -17,9 +17,9 @@ from support.commands import run_cli, train_in_process
 from support.locations import FASHION_MNIST, needs_fashion_mnist
 from support.runs import crash_after_checkpoint_then_resume, read_metrics
 
-# 256 synthetic samples, a quarter held out for validation: 6 optimizer steps of 32 per epoch; 100 test samples.
-RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=256", "data.val_fraction=0.25",
-       "data.eval_subset=100", "model.dropout=false", "train.batch_size=32", "train.eval_batch_size=50",
+# 128 synthetic samples, a quarter held out for validation: 6 optimizer steps of 16 per epoch; 50 test samples.
+RUN = ["mnist_cnn", "data.synthetic=true", "data.train_subset=128", "data.val_fraction=0.25",
+       "data.eval_subset=50", "model.dropout=false", "train.batch_size=16", "train.eval_batch_size=25",
        "train.log_every_steps=1"]
 NOT_SCALARS = ("split", "epoch", "step", "elapsed_s", "time")  # samples_per_s is a scalar
 
@@ -60,7 +60,7 @@ def test_tensorboard_holds_the_scalars_of_metrics_jsonl_at_their_steps_also_afte
         assert [value for _, value in logged[tag]] == pytest.approx([value for _, value in points], rel=1e-6), tag
     (hparams, *_) = sorted((out / "trackers" / "accel-train").glob("*/hparams.yml"))
     recorded = yaml.safe_load(hparams.read_text())
-    assert recorded["train.batch_size"] == 32 and recorded["data.val_fraction"] == 0.25
+    assert recorded["train.batch_size"] == 16 and recorded["data.val_fraction"] == 0.25
     assert recorded["run.world_size"] == 1 and recorded["run.recipe"] == "mnist_cnn"
 
     printed = capsys.readouterr().out.split("training mnist_cnn")[-1]  # the resumed run's console
@@ -74,7 +74,7 @@ def test_tensorboard_holds_the_scalars_of_metrics_jsonl_at_their_steps_also_afte
     assert summary[1].startswith("  wall time ") and "samples/s while training" in summary[1]
     assert summary[2].split() == ["best", "val", "accuracy", f"{best['accuracy']:.4f}", "at", "step",
                                   str(best["step"])]
-    assert summary[3].startswith(f"  final      test num_samples 100, loss {test['loss']:.4f}")
+    assert summary[3].startswith(f"  final      test num_samples 50, loss {test['loss']:.4f}")
     assert f"{out}/: model.safetensors" in summary[4] and "curves.png" in summary[4] and "trackers/" in summary[4]
     assert summary[5] == f"  watch      tensorboard --logdir {out / 'trackers'}"
 
@@ -93,7 +93,7 @@ def test_eval_of_a_run_evaluates_its_validation_or_test_split_as_training_did(tw
     from accel_train import evaluate
 
     run = two_runs / "fast"
-    for split, samples in (("val", 64), ("test", 100)):
+    for split, samples in (("val", 32), ("test", 50)):
         metrics, final = evaluate(run, split=split), read_metrics(run, split)[-1]
         assert metrics["num_samples"] == final["num_samples"] == samples
         assert metrics["loss"] == pytest.approx(final["loss"], abs=1e-6), split
@@ -117,7 +117,7 @@ def test_runs_tabulates_every_run_under_a_folder_from_its_own_files(two_runs):
     lines = [json.loads(line) for line in (two_runs / "base" / "metrics.jsonl").read_text().splitlines()]
     rates = [line["samples_per_s"] for line in lines if line["split"] == "train"]
     assert base["steps"] == 12 and base["epochs"] == 2 and base["world_size"] == 1
-    assert base["final"]["split"] == "test" and base["final"]["metrics"]["num_samples"] == 100
+    assert base["final"]["split"] == "test" and base["final"]["metrics"]["num_samples"] == 50
     assert base["wall_s"] == lines[-1]["elapsed_s"] > 0
     assert (base["starts"], base["restarts"]) == (1, 0)
     assert min(rates) <= base["samples_per_s"] <= max(rates)
@@ -309,8 +309,8 @@ def test_ctrl_c_in_a_wide_terminal_leaves_one_bar_and_the_stop_line_on_a_line_of
     from pathlib import Path
 
     script = Path(sys.executable).parent / "accel-train"
-    code, raw = run_in_a_terminal([str(script), "train", *RUN, "data.train_subset=4096", "train.epochs=1",
-                                   "output_dir=run"], tmp_path, columns=160,
+    code, raw = run_in_a_terminal([str(script), "train", *RUN, "data.train_subset=4096", "train.batch_size=32",
+                                   "train.epochs=1", "output_dir=run"], tmp_path, columns=160,
                                   interrupt_when=lambda shown: re.search(r"\| [1-9]\d/\d+ \[", shown))
     lines = screen(raw, columns=160)
     assert code == 75, lines

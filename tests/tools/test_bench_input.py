@@ -24,14 +24,14 @@ def test_a_folder_of_photographs_is_imagenet_shaped_the_same_for_the_same_seed_a
         tmp_path):
     from accel_train.tools.photos import make_photo_folder
 
-    first = make_photo_folder(tmp_path / "a", train=30, test=10, seed=3)
-    again = make_photo_folder(tmp_path / "b", train=30, test=10, seed=3)
-    other = make_photo_folder(tmp_path / "c", train=30, test=10, seed=4)
+    first = make_photo_folder(tmp_path / "a", train=10, test=5, seed=3)
+    again = make_photo_folder(tmp_path / "b", train=10, test=5, seed=3)
+    other = make_photo_folder(tmp_path / "c", train=10, test=5, seed=4)
     assert digest(first) == digest(again) and digest(first) != digest(other)
     train, test = (sorted(path.name for path in (first / split).iterdir()) for split in ("train", "test"))
-    assert train == test and len(train) == 10  # as many classes as the test split holds an image of each
+    assert train == test and len(train) == 5  # as many classes as the test split holds an image of each
     sizes = [Image.open(path).size for path in first.rglob("*.jpg")]
-    assert len(sizes) == 40 and all(400 <= width <= 600 and 0.6 * width - 1 <= height <= width + 1
+    assert len(sizes) == 15 and all(400 <= width <= 600 and 0.6 * width - 1 <= height <= width + 1
                                     for width, height in sizes), sizes
     assert all(Image.open(path).format == "JPEG" for path in first.rglob("*.jpg"))
 

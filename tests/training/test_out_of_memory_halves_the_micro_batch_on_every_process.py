@@ -69,15 +69,17 @@ def test_one_process_running_out_makes_every_process_redo_the_step_with_half_the
 
 
 def test_a_resume_continues_with_the_halved_micro_batch_and_equals_the_uninterrupted_run(tmp_path, capsys):
-    run = [*RUN, "train.micro_batch_size=auto", "checkpoint.every_steps=2"]
-    with hooks.added(OutOfMemoryAt(3, 0, 12)):  # 1 process of 24 samples a step; from step 3 on, more than 12 run out
+    # 2 epochs of 3 steps of 12 samples, as RUN's of 24 (the search and the halving are the same at any size)
+    run = [*RUN, "data.train_subset=36", "data.eval_subset=20", "train.batch_size=12", "train.micro_batch_size=auto",
+           "checkpoint.every_steps=2"]
+    with hooks.added(OutOfMemoryAt(3, 0, 6)):  # 1 process of 12 samples a step; from step 3 on, more than 6 run out
         train_in_process(*run, f"output_dir={tmp_path / 'reference'}")
         crash_after_checkpoint_then_resume(4, *run, f"output_dir={tmp_path / 'resumed'}")
     assert_same_run(tmp_path / "resumed", tmp_path / "reference")
     captured = capsys.readouterr()
     assert captured.err.count(RAN_OUT_TRAINING) == 2  # the reference and the run that crashed; not the resumed one
-    assert "12 samples per process per forward pass (in chunks of the 24 loaded), as the checkpoint ran" in captured.out
-    assert [start["micro_batch_size"] for start in read_starts(tmp_path / "resumed")] == [24, 12]
+    assert "6 samples per process per forward pass (in chunks of the 12 loaded), as the checkpoint ran" in captured.out
+    assert [start["micro_batch_size"] for start in read_starts(tmp_path / "resumed")] == [12, 6]
 
 
 @contextmanager

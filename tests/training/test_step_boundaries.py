@@ -82,9 +82,10 @@ STEP_FEATURES = {
 def test_a_training_step_reads_nothing_from_the_device_except_at_log_steps(host_reads, tmp_path, features):
     from accel_train import api
 
-    # 10 steps per epoch: an epoch end (evaluation follows) at step 10, which is not a log step
-    config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=120", "data.eval_subset=20",
-                                       "train.batch_size=12", "train.max_steps=17", "train.log_every_steps=4",
+    # 10 steps per epoch: an epoch end (evaluation follows) at step 10, which is not a log step; batches of 4 (what
+    # a step reads from the device does not depend on their size)
+    config = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=40", "data.eval_subset=20",
+                                       "train.batch_size=4", "train.max_steps=17", "train.log_every_steps=4",
                                        "train.progress_bar=false", "checkpoint.at_epoch_end=false",
                                        "train.clip_grad_norm=1.0", "train.plot=false", *features,
                                        f"output_dir={tmp_path}"])
