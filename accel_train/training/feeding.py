@@ -55,22 +55,23 @@ def choose_workers(config: Config, accelerator: Accelerator, task, model: torch.
     if cfg.num_workers != "auto" or data.in_memory and cfg.on_device:  # the latter: served without workers
         return
     cores = dataloader_workers("auto")
+    finish_here = finish_runs_in_workers(accelerator.device, 1)  # a CPU run: workers would finish, loads count it
     micro_batch = config.train.batch_size // accelerator.num_processes // accumulation
-    times = None if model is None else measured_seconds(accelerator, task, model, data, cfg, micro_batch)
+    times = None if model is None else measured_seconds(accelerator, task, model, data, cfg, micro_batch, finish_here)
     if times is None:
         workers, why = cores, "the usable cores (the model sharded, or too few samples to measure)"
     else:
         load_s, step_s = times
         workers = workers_to_feed(load_s, step_s, cores)
-        finished = " and finish" if finish_runs_in_workers(accelerator.device, 1) else ""
+        finished = " and finish" if finish_here else ""
         why = (f"a micro-batch of {micro_batch} took {load_s * 1e3:,.1f} ms to load{finished} in the main process, "
                f"a training micro-step {step_s * 1e3:,.1f} ms; {cores} usable cores")
     cfg.num_workers = main_value(workers, accelerator)
     note(logger, accelerator, f"data.num_workers=auto: {cfg.num_workers} DataLoader worker(s) a process ({why})")
 
 
-def measured_seconds(accelerator: Accelerator, task, model: torch.nn.Module, data: Data, cfg, micro_batch: int
-                     ) -> tuple[float, float] | None:
+def measured_seconds(accelerator: Accelerator, task, model: torch.nn.Module, data: Data, cfg, micro_batch: int,
+                     finish_here: bool) -> tuple[float, float] | None:
     """(seconds to load a micro-batch in this process, seconds of a training micro-step on it): medians after a
     warm-up one; None where the training split holds fewer than MEASURED_BATCHES micro-batches. The run is left as
     it was: the samples are keyed (their draws do not move), the weights untouched, the buffers put back and the
@@ -79,7 +80,6 @@ def measured_seconds(accelerator: Accelerator, task, model: torch.nn.Module, dat
         return None
     device = accelerator.device
     loader = make_loader(data, dataclasses.replace(cfg, num_workers=0), micro_batch, False, device)
-    finish_here = finish_runs_in_workers(device, 1)  # a CPU run: the workers would finish, so the load counts it
     iterator, batches, loads = iter(loader), [], []
     for _ in range(MEASURED_BATCHES):
         started = time.perf_counter()
