@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from accelerate.data_loader import prepare_data_loader
-from PIL import Image
 
 from accel_train.config import DataConfig, load_config
 from accel_train.data import (
@@ -23,6 +22,7 @@ from accel_train.data import (
 )
 from accel_train.data.in_memory import pad_for, random_crop_flip, to_model_input
 from support.commands import launch, train_in_process
+from support.images import noise_jpeg_tree
 from support.locations import PROBE, USER_RECIPE
 from support.recorders import inputs_of_training_batches
 from support.runs import crash_after_checkpoint_then_resume, read_metrics
@@ -262,24 +262,12 @@ LAUNCHED = {"user_dataset_by_import_path": [(2, 0), (2, 2)], "imagefolder_tree_a
             "hf_dataset_augmented": [(2, 0), (2, 2)]}
 
 
-def _imagefolder_tree(root) -> str:
-    """24 noise JPEGs, one a class: an ImageFolder's label is then the image's index."""
-    generator = torch.Generator().manual_seed(0)
-    for split in ("train", "test"):
-        for index in range(24):
-            folder = root / split / f"c{index:02d}"
-            folder.mkdir(parents=True)
-            pixels = torch.randint(0, 256, (20, 20, 3), dtype=torch.uint8, generator=generator)
-            Image.fromarray(pixels.numpy()).save(folder / "image.jpg", quality=90)
-    return str(root)
-
-
 def _hf_dataset(folder) -> str:
     """The tree's 24 noise JPEGs as a Hugging Face dataset (save_to_disk), a ClassLabel of 24 names: a sample's label
     is its index, as in the tree."""
     import datasets
 
-    tree = Path(_imagefolder_tree(folder.parent / "hf_tree"))
+    tree = Path(noise_jpeg_tree(folder.parent / "hf_tree"))
     names = [f"c{index:02d}" for index in range(24)]
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
     splits = {split: datasets.Dataset.from_dict(
@@ -344,14 +332,14 @@ def keyed_runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     data, source = KEYED_DATA[request.param], SOURCE.get(request.param)
     if source == "tree":
-        data = [*data, f"data.root={_imagefolder_tree(tmp / 'images')}"]
+        data = [*data, f"data.root={noise_jpeg_tree(tmp / 'images')}"]
     elif source == "hf dataset":
         data = [*data, f"data.name=hf:{_hf_dataset(tmp / 'hf')}"]
     elif source is not None:
         from accel_train.data.shards.writer import write_shards
 
         if source == "tree shards":
-            tree = load_config("imagefolder", [f"data.root={_imagefolder_tree(tmp / 'images')}"]).data
+            tree = load_config("imagefolder", [f"data.root={noise_jpeg_tree(tmp / 'images')}"]).data
             write_shards(tree, str(tmp / "shards"), shard_mb=0.005, images="raw", shrink_to=18)
         else:  # cropped and flipped on the device, from the keys the batches carry
             _registry_shards(tmp / "shards")

@@ -15,6 +15,7 @@ from accel_train.data.decode import ImagesToModelInput, float_batch_like, model_
 from accel_train.data.loaders import FinishingCollate
 from accel_train.distributed.devices import finish_runs_in_workers
 from support.commands import train_in_process
+from support.images import noise_jpeg_tree
 from support.locations import USER_RECIPE
 from support.runs import read_metrics
 
@@ -105,17 +106,7 @@ def test_on_a_cpu_the_workers_finish_where_there_are_some_and_the_main_process_w
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> str:
     """An ImageFolder of 24 noise JPEGs of 20 px, one a class, train and test."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("tree")
-    generator = torch.Generator().manual_seed(0)
-    for split in ("train", "test"):
-        for index in range(24):
-            folder = root / split / f"c{index:02d}"
-            folder.mkdir(parents=True)
-            pixels = torch.randint(0, 256, (20, 20, 3), dtype=torch.uint8, generator=generator)
-            Image.fromarray(pixels.numpy()).save(folder / "image.jpg", quality=90)
-    return str(root)
+    return noise_jpeg_tree(tmp_path_factory.mktemp("tree"))
 
 
 def test_a_cpu_run_with_workers_trains_alike_with_the_finish_in_its_workers_or_in_its_main_process(
