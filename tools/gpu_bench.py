@@ -29,21 +29,16 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import json
-import os
 import re
 import shutil
 import sys
 import time
 from pathlib import Path
 
+import gpu_check  # beside this file (tools/, the first entry of sys.path when it runs as a script)
+
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("gpu_check", gpu_check)  # its dataclasses look their module up there
-_spec.loader.exec_module(sys.modules["gpu_check"])
-gpu_check = sys.modules["gpu_check"]
 Check, Failed, accel_train, run_info = gpu_check.Check, gpu_check.Failed, gpu_check.accel_train, gpu_check.run_info
 
 PYTHON = sys.executable
@@ -63,13 +58,11 @@ GOALS = {"small_models_ratio": 0.95, "fashion_mnist_accuracy": 0.934, "fashion_m
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, from NVIDIA's data sheets
 
 
-def data_folder(check: Check) -> Path:
-    """.gpu-data/ beside the tree (make gpu-data): Fashion-MNIST's .gz files and a folder of photographs."""
-    return REPO / ".gpu-data"
+GPU_DATA = REPO / ".gpu-data"  # make gpu-data: Fashion-MNIST's .gz files and a folder of photographs
 
 
-def bench_overhead(check: Check, batch: int, *extra: str) -> dict:
-    run = check.folder(f"small_models_{batch}{'_'.join(('', *extra)).replace('=', '_').replace('.', '_')}")
+def bench_overhead(check: Check, name: str, batch: int, *extra: str) -> dict:
+    run = check.folder(name)
     sizes = ["--steps", "1"] if check.dry_run else ["--steps", "200"]
     check.run(accel_train("bench", "--overhead", "--quick", *sizes, "fashion_mnist_cnn", "data.synthetic=true",
                           f"train.batch_size={8 if check.dry_run else batch}", *extra, f"output_dir={run}"),
@@ -80,10 +73,10 @@ def bench_overhead(check: Check, batch: int, *extra: str) -> dict:
 def small_models(check: Check) -> None:
     row = check.row
     for batch in (64, 256):
-        overhead = bench_overhead(check, batch)
+        overhead = bench_overhead(check, f"small_models_{batch}", batch)
         row.numbers[f"ratio_{batch}"] = overhead["ratio"]
         row.numbers[f"ours_samples_per_s_{batch}"] = overhead["ours_samples_per_s"]
-    compiled = bench_overhead(check, 64, "train.compile=true")
+    compiled = bench_overhead(check, "small_models_64_compiled", 64, "train.compile=true")
     row.numbers["compiled_ratio_64"] = compiled["ratio"]
     row.note = "CUDA graphs: no switch of ours yet (train.compile uses inductor's default mode)"
     if check.dry_run:
@@ -96,7 +89,7 @@ def small_models(check: Check) -> None:
 def fashion_mnist_root(check: Check) -> Path:
     """Fashion-MNIST unpacked where torchvision reads it (OUT/data/FashionMNIST/raw), from .gpu-data/fashion-mnist
     or Debian's /usr/share/datasets/fashion-mnist."""
-    sources = [data_folder(check) / "fashion-mnist", Path("/usr/share/datasets/fashion-mnist")]
+    sources = [GPU_DATA / "fashion-mnist", Path("/usr/share/datasets/fashion-mnist")]
     source = next((path for path in sources if list(path.glob("*-ubyte.gz"))), None)
     if source is None:
         raise Failed(f"no Fashion-MNIST in {' or '.join(map(str, sources))} (make gpu-data)")
@@ -172,7 +165,7 @@ def gpu_name() -> str:
 
 def photographs(check: Check) -> Path:
     """.gpu-data/photos (make gpu-data), else a folder `accel-train photos` makes here (needs mate-backgrounds)."""
-    staged = data_folder(check) / "photos"
+    staged = GPU_DATA / "photos"
     if (staged / "train").is_dir():
         return staged
     made = check.out / "photos"
@@ -295,11 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-bench: {'dry run, ' if args.dry_run else ''}{len(rows)} rows in {result['seconds']:.0f} s on "
           f"{result['card']}; {'all ok' if result['ok'] else 'failed: ' + ', '.join(result['failed'])}; table in "
           f"{path}, logs in {out / 'logs'}", flush=True)
-    if os.environ.get("OUT"):  # the folder a remote runner brings back
-        shutil.copy(path, Path(os.environ["OUT"]) / "gpu_bench.json")
-        with open(Path(os.environ["OUT"]) / "gpu_bench_logs.txt", "w") as logs:
-            for log in sorted((out / "logs").glob("*.log")):
-                logs.write(f"===== {log.name}\n{log.read_text()[-200000:]}\n")
+    gpu_check.bring_back(path, out / "logs", "gpu_bench")
     return 0 if result["ok"] else 1
 
 

@@ -682,6 +682,18 @@ def run_rows(check: Check, functions: list, only: str | None, started: float, na
     return rows
 
 
+def bring_back(table: Path, logs: Path, name: str) -> None:
+    """The table (NAME.json) and every row's log (NAME_logs.txt, each log's last 200 kB) into $OUT, the folder a
+    remote runner brings back, where that variable is set."""
+    if not os.environ.get("OUT"):
+        return
+    out = Path(os.environ["OUT"])
+    shutil.copy(table, out / f"{name}.json")
+    with open(out / f"{name}_logs.txt", "w") as written:
+        for path in sorted(logs.glob("*.log")):
+            written.write(f"===== {path.name}\n{path.read_text()[-200000:]}\n")
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """A mistake on the command line in one line (what was wrong, and where the usage is), exit 2."""
 
@@ -714,11 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check: {'dry run, ' if args.dry_run else ''}{len(rows)} rows in {result['seconds']:.0f} s; "
           f"{'all ok' if result['ok'] else 'failed: ' + ', '.join(result['failed'])}; table in "
           f"{args.json or out / 'gpu_check.json'}, logs in {out / 'logs'}", flush=True)
-    if os.environ.get("OUT"):  # the folder a remote runner brings back
-        shutil.copy(args.json or out / "gpu_check.json", Path(os.environ["OUT"]) / "gpu_check.json")
-        with open(Path(os.environ["OUT"]) / "gpu_check_logs.txt", "w") as logs:
-            for path in sorted((out / "logs").glob("*.log")):
-                logs.write(f"===== {path.name}\n{path.read_text()[-200000:]}\n")
+    bring_back(args.json or out / "gpu_check.json", out / "logs", "gpu_check")
     return 0 if result["ok"] else 1
 
 
