@@ -244,9 +244,9 @@ def vit_b16_peer(check: Check) -> None:
     model = check.folder("vit_b16_peer") / "vit"
     check.run([PYTHON, "-c", VIT_B16, str(model), "tiny" if check.dry_run else "base"])
     run = check.folder("vit_b16_peer_runs")
-    sizes = ["--steps", "2", "train.batch_size=4", "data.num_workers=0"] if check.dry_run else \
+    steps = ["--steps", "2"] if check.dry_run else []
+    settings = ["train.batch_size=4", "data.num_workers=0"] if check.dry_run else \
         ["train.batch_size=128", "data.num_workers=4"]
-    steps, settings = sizes[:2], sizes[2:]
     said = check.run(accel_train("bench", "--hub", *steps, "hf_image_classification", f"model.name=hf:{model}",
                                  f"data.name=hf:{photographs(check)}", *settings, f"output_dir={run}"),
                      env={"ACCELERATE_MIXED_PRECISION": "bf16"}).stdout
