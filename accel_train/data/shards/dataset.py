@@ -113,7 +113,10 @@ class ShardSamples(Dataset):
         return np.repeat(np.arange(len(self.index.shards)), np.diff(self.starts))
 
     def members(self, sample: int) -> dict[str, bytes]:
-        shard, position = self.locate(sample)
+        return self.members_at(*self.locate(sample))
+
+    def members_at(self, shard: int, position: int) -> dict[str, bytes]:
+        """The tar members of the sample at `position` in shard number `shard`."""
         return sample_members(self.cache.read_sample(self.index.shards[shard], self.split, position))
 
     def __getitem__(self, sample: int):
@@ -126,8 +129,7 @@ class ShardSamples(Dataset):
         ids = np.asarray(samples, dtype=np.int64)
         shards = np.searchsorted(self.starts, ids, side="right") - 1
         positions = ids - self.starts[shards]
-        return [self._made(sample, sample_members(self.cache.read_sample(self.index.shards[shard], self.split,
-                                                                         position)))
+        return [self._made(sample, self.members_at(shard, position))
                 for sample, shard, position in zip(samples, shards.tolist(), positions.tolist())]
 
     def _made(self, sample: int, members: dict[str, bytes]):
