@@ -26,12 +26,14 @@ torch loads), then `evaluate_run` / `predict_run`. The checks before training ru
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_train.config import Config, list_recipes, load_config, refuse_contradictions
 from accel_train.config.recipes import run_folder_of
+from accel_train.config.trust import check_code, remember_trained
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint_files import list_checkpoints, read_meta
@@ -59,11 +61,14 @@ if TYPE_CHECKING:
     from accel_train.training.setup import Sources
     from accel_train.workloads.tasks import Task
 
+logger = logging.getLogger(__name__)
+
 
 def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.nn.Module | None = None,
           train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
-          task: Task | None = None) -> dict:
-    """Train; returns the final evaluation's metrics (every process gets the same)."""
+          task: Task | None = None, trust_code: bool = False) -> dict:
+    """Train; returns the final evaluation's metrics (every process gets the same). `trust_code`: the code a run
+    folder's config.yaml names may run (the command line's --trust-code; config/trust.py)."""
     url = None
     if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store: its config.yaml is the recipe
         url, recipe = recipe.rstrip("/"), str(readable_run(recipe, (CONFIG_FILE,)))
@@ -78,6 +83,8 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     config = _with_objects(_config(recipe, overrides), model, task, train_dataset, eval_dataset)
     if (train_dataset is None) != (eval_dataset is None):
         raise UserError("train_dataset and eval_dataset: give both, or neither (the recipe's data.name is used)")
+    trust(config, trust_code)
+    remember_trained(config)
     trackers = check_before_opening(config)
     # where the run folder lives: made once, handed to whoever needs it (a URL: the store checked, staging pulled)
     place = RunPlace.open(config.output_dir, run_folder_patience(config))
@@ -87,6 +94,20 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
 
         return loop.train(config, task, sources, trackers, place, model=model, train_dataset=train_dataset,
                           eval_dataset=eval_dataset)
+
+
+def trust(config: Config, trust_code: bool) -> None:
+    """Before anything is imported: the code `config` names runs only where this command may run it (check_code's
+    one line otherwise); trust keys a file set were set back to false, which one line says."""
+    from accel_train.distributed.environment import launcher_environment
+
+    if launcher_environment().is_reporting_process:
+        for key, file in config.ignored_trust:
+            if getattr(config.model, key.split(".")[1]):  # given again by this command
+                continue
+            logger.warning(f"{key}: true in {file} is ignored: trust is given by the command, never by a file; add "
+                           f"{key}=true to this command if you trust {config.model.name}")
+    check_code(config, trust_code)
 
 
 def check_before_opening(config: Config) -> list[str]:
@@ -125,11 +146,12 @@ def check_training(config: Config, place: RunPlace, task: Task | None = None) ->
 
 def evaluate(recipe: str | Config | None = None, checkpoint: str | None = None, overrides: Sequence[str] = (), *,
              model: torch.nn.Module | None = None, eval_dataset: Dataset | None = None, task: Task | None = None,
-             split: str = "test") -> dict:
+             split: str = "test", trust_code: bool = False) -> dict:
     """Metrics of the weights in `checkpoint` (a run folder, a checkpoint folder or a model.safetensors; unset:
     the run folder given as `recipe`) on the test split (or split="val", the run's validation split), over
     exactly its samples at any world size, plus `num_processes` (the world size)."""
-    config, checkpoint = run_config(recipe, checkpoint, overrides, "eval", model, task, eval_dataset, split=split)
+    config, checkpoint = run_config(recipe, checkpoint, overrides, "eval", model, task, eval_dataset, split=split,
+                                    trust_code=trust_code)
     return evaluate_run(config, checkpoint, task=task, model=model, eval_dataset=eval_dataset, split=split)
 
 
@@ -143,13 +165,13 @@ def evaluate_run(config: Config, checkpoint: str, *, task: Task | None = None, m
 
 def predict(recipe: str | Config | None = None, checkpoint: str | None = None, inputs: str | None = None,
             overrides: Sequence[str] = (), *, output: str | None = None, model: torch.nn.Module | None = None,
-            task: Task | None = None) -> list[dict]:
+            task: Task | None = None, trust_code: bool = False) -> list[dict]:
     """The top `predict.top_k` labels and scores of each image file under `inputs` (a file, a folder searched
     recursively, or a glob): rows {"path", "labels", "scores"} sorted by path, also written as CSV to `output`.
     `checkpoint` unset: the run folder given as `recipe`."""
     if inputs is None:
         raise UserError("predict needs inputs: an image file, a folder or a glob, e.g. inputs='photos/'")
-    config, checkpoint = run_config(recipe, checkpoint, overrides, "predict", model, task)
+    config, checkpoint = run_config(recipe, checkpoint, overrides, "predict", model, task, trust_code=trust_code)
     return predict_run(config, checkpoint, str(inputs), output, task=task, model=model)
 
 
@@ -162,7 +184,8 @@ def predict_run(config: Config, checkpoint: str, inputs: str, output: str | None
 
 
 def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: Sequence[str], command: str,
-               model=None, task=None, eval_dataset=None, split: str = "test") -> tuple[Config, str]:
+               model=None, task=None, eval_dataset=None, split: str = "test",
+               trust_code: bool = False) -> tuple[Config, str]:
     """The config and the weights `command` (eval, predict) uses, checked against what the run was trained with;
     no torch import, so the command line answers before torch loads."""
     if split not in ("test", "val"):
@@ -173,6 +196,7 @@ def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: S
         checkpoint = _copied(checkpoint, command, f"checkpoint={checkpoint}")
     recipe, checkpoint = _recipe_and_checkpoint(recipe, checkpoint, command)
     config = _with_objects(_config(recipe, overrides), model, task, None, eval_dataset)
+    trust(config, trust_code)
     _refuse_other_settings(config, checkpoint, command)
     return config, checkpoint
 

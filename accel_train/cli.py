@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from accel_train.config.trust import TRUST_FLAG
 from accel_train.errors import PeerLost, Preempted, UserError, did_you_mean
 
 USAGE = """\
@@ -115,7 +116,8 @@ COMMAND_ARGUMENTS = {
 }
 # How a command's function takes its arguments when not parsed by the command line (get_default("arguments")):
 UNTOUCHED = "untouched"  # launch: accelerate launch's, passed on as given (argparse would read their flags)
-INTERMIXED = "intermixed"  # sweep: search space and options in any order, which subcommands do not allow
+INTERMIXED = "intermixed"  # options and positionals in any order (`eval RUN --trust-code data.root=x`), which
+# subcommands do not allow
 
 
 class _CommandLine(argparse.ArgumentParser):
@@ -129,9 +131,7 @@ class _CommandLine(argparse.ArgumentParser):
     def error(self, message: str):
         if (unknown := re.search(r"invalid choice: '([^']*)'", message)) is not None:
             message = f"unknown command '{unknown.group(1)}'{did_you_mean(unknown.group(1), self.commands.choices)}"
-        elif (dashed := re.search(r"unrecognized arguments: (--\S*[.=]\S*)", message)) is not None:
-            message += f" (a config override takes no dashes: {dashed.group(1).lstrip('-')})"
-        self.exit(2, f"accel-train: error: {message}; accel-train --help lists the commands\n")
+        self.exit(2, f"accel-train: error: {_dashed_override(message)}; accel-train --help lists the commands\n")
 
 
 class _Subcommand(argparse.ArgumentParser):
@@ -140,7 +140,14 @@ class _Subcommand(argparse.ArgumentParser):
 
     def error(self, message: str):
         command = self.prog.removeprefix("accel-train ")
-        self.exit(2, f"accel-train: error: {command}: {message}; {self.prog} --help shows its usage\n")
+        self.exit(2, f"accel-train: error: {command}: {_dashed_override(message)}; {self.prog} --help shows its "
+                  "usage\n")
+
+
+def _dashed_override(message: str) -> str:
+    if (dashed := re.search(r"unrecognized arguments: (--\S*[.=]\S*)", message)) is not None:
+        return message + f" (a config override takes no dashes: {dashed.group(1).lstrip('-')})"
+    return message
 
 
 def command_line() -> _CommandLine:
@@ -157,10 +164,12 @@ def command_line() -> _CommandLine:
     def on_a_recipe(name: str, run, metavar: str, text: str, nargs: str | None = "?") -> None:
         """RECIPE or RUN, then config overrides; one line, usage and examples from COMMANDS."""
         line, usage, examples = COMMANDS[name]
-        recipe = command(name, run, help=line, usage=usage, description=line[0].upper() + line[1:] + ".",
-                         epilog="examples:\n" + examples, formatter_class=argparse.RawDescriptionHelpFormatter)
+        recipe = command(name, run, INTERMIXED, help=line, usage=usage,
+                         description=line[0].upper() + line[1:] + ".", epilog="examples:\n" + examples,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
         recipe.add_argument("recipe", metavar=metavar, nargs=nargs, help=text)
         recipe.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
+        _trust_argument(recipe)
 
     on_a_recipe("train", _train, "RECIPE", "a shipped recipe (`accel-train recipes`), a YAML file, or a run's "
                 "output_dir (the config.yaml it ran with)", nargs=None)
@@ -208,6 +217,12 @@ def command_line() -> _CommandLine:
     add_arguments(command("doctor", _doctor, help="check this node before a launch: devices, backend, mixed precision, "
                           "accelerate config, multi-node network; exit 1 on any problem"))
     return parser
+
+
+def _trust_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(TRUST_FLAG, dest="trust_code", action="store_true",
+                        help="run the code (import paths) that a run folder's config.yaml names: only for a folder "
+                        "whose writer you trust (your own runs need no flag: docs/user-code.md)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,7 +302,7 @@ def _train(args: argparse.Namespace) -> None:
     recipe, _, overrides = _recipe_and_arguments(args, "train")
     from accel_train import api
 
-    api.train(recipe, overrides)
+    api.train(recipe, overrides, trust_code=args.trust_code)
 
 
 def _eval(args: argparse.Namespace) -> None:
@@ -297,7 +312,8 @@ def _eval(args: argparse.Namespace) -> None:
     from accel_train.distributed.environment import launcher_environment
 
     split = given.get("split", "test")  # a run folder is its own recipe; a recipe given must agree with the run
-    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, "eval", split=split)
+    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, "eval", split=split,
+                                        trust_code=args.trust_code)
     if launcher_environment().is_reporting_process:  # torch and the data take seconds: say what is coming
         print(f"accel-train eval: evaluating {checkpoint} ({config.model.name} on {config.data.name} {split})...",
               file=sys.stderr, flush=True)
@@ -313,7 +329,8 @@ def _predict(args: argparse.Namespace) -> None:
     from accel_train import api
     from accel_train.distributed.environment import launcher_environment
 
-    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, "predict", split="test")
+    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, "predict", split="test",
+                                        trust_code=args.trust_code)
     output = given.get("output", DEFAULT_PREDICTIONS)
     if "output" not in given and Path(output).exists():  # a file given is the user's to write over; this is not
         raise UserError(f"predict: {output} is already here (an earlier predict's?); give output=FILE (a file "
@@ -328,7 +345,8 @@ def _export(args: argparse.Namespace) -> None:
     recipe, given, overrides = _recipe_and_arguments(args, "export")
     from accel_train import api
 
-    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, "export")
+    config, checkpoint = api.run_config(recipe, given.get("checkpoint"), overrides, "export",
+                                        trust_code=args.trust_code)
     from accel_train.tools.export import export_run
 
     files = export_run(config, checkpoint, given["output"], given.get("format", "library"))
@@ -339,6 +357,7 @@ def _shard(args: argparse.Namespace) -> None:
     _check_versions()
     recipe, given, overrides = _recipe_and_arguments(args, "shard")
     from accel_train.config import load_config
+    from accel_train.config.trust import check_code
     from accel_train.data.shards.writer import index_tars, write_shards
 
     sizes = {}
@@ -362,6 +381,7 @@ def _shard(args: argparse.Namespace) -> None:
     if recipe is None or "output" not in given:
         raise UserError(f"shard needs a recipe and output=URL: {COMMANDS['shard'][1].splitlines()[0]}")
     config = load_config(recipe, overrides)
+    check_code(config, args.trust_code)
     write_shards(config.data, given["output"], recipe=recipe, **sizes, **stored)
 
 
@@ -389,6 +409,7 @@ SWEEP_HELP = dict(
 
 
 def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
+    _trust_argument(sweep)
     sweep.add_argument("recipe", metavar="RECIPE", help="a shipped recipe, a YAML file or a run's output_dir")
     sweep.add_argument("overrides", nargs="*", default=[], metavar="KEY=DISTRIBUTION(ARGS) | KEY=VALUE",
                        help="searched keys (e.g. 'train.lr=loguniform(1e-4,1e-1)', quoted for the shell) and fixed "
@@ -428,7 +449,7 @@ def _sweep(args: argparse.Namespace) -> None:
     try:
         run_sweep(Sweep(args.recipe, sorted(parameters, key=lambda p: p.key), fixed, args.metric,
                         args.direction or "max", args.seed, args.startup_trials, args.pruner, args.trials, place,
-                        args.launch, given_direction=args.direction is not None))
+                        args.launch, given_direction=args.direction is not None, trust_code=args.trust_code))
     finally:
         place.drain(PATIENCE_S * 10)  # however the sweep ends, a store gets all of it
 
@@ -456,6 +477,7 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
                        "in the background against a synchronous save (recipe default cifar10_resnet50)")
     bench.add_argument("--saves-into", metavar="URL", help="with --saves: save into this folder or URL (s3://...) "
                        "instead of a temporary local folder")
+    _trust_argument(bench)
     bench.add_argument("recipe", nargs="?", help="recipe to measure (fashion_mnist_fast; with --saves "
                        "cifar10_resnet50, --shards fashion_mnist_cnn, --input imagefolder)")
     bench.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES)
@@ -463,6 +485,7 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     from accel_train.config import load_config
+    from accel_train.config.trust import check_code
 
     _check_versions()
     recipe, overrides = args.recipe, list(args.overrides)
@@ -473,7 +496,7 @@ def _bench(args: argparse.Namespace) -> None:
                         else "fashion_mnist_cnn" if args.shards else "fashion_mnist_fast")
     if args.steps is not None and args.steps < 1 or args.processes is not None and args.processes < 1:
         raise UserError("bench: --steps and --processes must be 1 or more")
-    load_config(recipe, overrides)  # config mistakes answer before torch loads
+    check_code(load_config(recipe, overrides), args.trust_code)  # config mistakes answer before torch loads
     if args.demand is not None and args.demand <= 0:
         raise UserError(f"bench: --demand {args.demand:g}: give the images per second a GPU takes, above 0 "
                         "(ResNet-50 at 224 px on one A100: about 2470)")

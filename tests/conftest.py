@@ -3,8 +3,11 @@
 Every process a test starts ends with the test, and the tests that start processes are marked `processes`
 (support/processes.py: make test-fast leaves them out)."""
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -16,10 +19,15 @@ if os.environ.get("ACCEL_TRAIN_TESTS_SEE_GPU") != "1":
 # The Hub offline in the tests' own processes too, as in every command they start (support.commands): a model or
 # dataset by Hub name comes from a cache a test made, and huggingface_hub reads this once, when it is imported.
 os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+# The user's caches (accel-train's record of the code they trusted, the shard blocks) in a folder of this process's,
+# for it and the commands it starts: nothing a test records reaches the developer's own, nor another run of the suite.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="accel-train-tests-cache-")
 
 from support import commands, processes
 from support.nodes import two_network_namespaces
 from support.object_store import object_store_for_module, object_store_for_test
+
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 def pytest_configure(config):

@@ -7,6 +7,7 @@ from typing import Any
 
 from accel_train.config.overrides import spelled
 from accel_train.config.schema import Config
+from accel_train.config.trust import TRUST_KEYS
 from accel_train.errors import UserError
 from accel_train.import_paths import is_given_object
 
@@ -34,6 +35,7 @@ def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]
     given = [value for value in ours.values() if isinstance(value, str) and is_given_object(value)]
     return [(key, saved[key], ours.get(key)) for key in saved
             if (key in MEANING_KEYS or key.startswith("model.")) and key not in STARTING_POINT
+            and key not in TRUST_KEYS  # whose code may run: the command's word each time, not what weights mean
             and saved[key] != ours.get(key) and ours.get(key) not in given
             and not (ours.get(key) is None and key in TAKEN_FROM_THE_MODEL)]
 

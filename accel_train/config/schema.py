@@ -307,6 +307,10 @@ class Config:
 
     # Recorded, not a key: the recipe name or file load_config read (None for a Config built in Python).
     recipe: typing.ClassVar[str | None] = None
+    # Recorded by load_config, not keys: import paths read from a file this command does not trust (config/trust.py),
+    # and the trust keys a file set, which were set back to false.
+    untrusted_code: typing.ClassVar[tuple] = ()
+    ignored_trust: typing.ClassVar[tuple] = ()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

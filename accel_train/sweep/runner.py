@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from accel_train.config import Config
+from accel_train.config.trust import TRUST_FLAG, check_code
 from accel_train.errors import NothingCompleted, Preempted, UserError
 from accel_train.run.place import RunPlace
 from accel_train.run.summaries import duration
@@ -54,6 +55,7 @@ class Sweep:
     place: RunPlace  # the sweep's folder (for a URL, mirrored whole from this machine's staging)
     launch: str | None = None
     given_direction: bool = field(default=True, repr=False)
+    trust_code: bool = field(default=False, repr=False)  # --trust-code, passed on to each trial: not the study's
 
     @property
     def folder(self) -> Path:
@@ -78,6 +80,7 @@ def run_sweep(sweep: Sweep) -> None:
     """Check everything, then run trials until `sweep.trials` are done; a stopped sweep's running trial first."""
     prefix = launch_prefix(sweep.launch)
     config = check_space(sweep.recipe, sweep.parameters, sweep.fixed)
+    check_code(config, sweep.trust_code)
     check_metric(sweep, config)
     check_folder(sweep)
     from accel_train.sweep.study import optuna
@@ -124,7 +127,7 @@ def run_trial(sweep: Sweep, study, trial, prefix: list[str], lock_fd: int, resum
     number, folder = trial.number, trial_folder(sweep.folder, trial.number)
     values = [f"{key}={spell(value)}" for key, value in sorted(trial.params.items())]
     command = [*prefix, "-m", "accel_train", "train", sweep.recipe, *sweep.fixed, *values, f"output_dir={folder}",
-               "resume=auto"]
+               "resume=auto", *([TRUST_FLAG] if sweep.trust_code else [])]
     if not resumed:
         trial.set_user_attr("folder", folder.name)
     log = trial_log(sweep.folder, number)

@@ -597,6 +597,30 @@ MUTATIONS = [
              "        return transformers.utils.has_file(repository(cfg), PICKLED, revision=cfg.revision)",
              "        return (Path(repository(cfg)) / PICKLED).is_file()",
              ("tests/workloads/test_hub_models_and_datasets.py::test_hub_names_resolve_from_the_cache_offline_and_a_name_it_lacks_is_one_line_exit_3",)),
+    # issue 66: a run folder is data; the code it names runs on the command's word
+    Mutation("trust read from a file (a run folder's config.yaml taken for the user's own recipe)",
+             "accel_train/config/recipes.py", "    file = RecipeFile(path.resolve(), own=not run, module_folders={",
+             "    file = RecipeFile(path.resolve(), own=True, module_folders={",
+             ("tests/run_folder/test_a_run_folder_is_data_its_code_runs_on_your_word.py::test_a_run_folder_whose_config_names_os_system_runs_nothing_and_every_command_refuses_it_in_one_line",
+              "tests/run_folder/test_a_run_folder_is_data_its_code_runs_on_your_word.py::test_every_key_that_names_code_is_refused_from_a_run_folder_and_a_module_beside_it_never_imported")),
+    Mutation("a recipe's folder put on sys.path (files beside it that nobody named become importable)",
+             "accel_train/config/recipes.py", "    own_folders = [file.path.parent] if file.own else []\n",
+             "    own_folders = [file.path.parent] if file.own else []\n"
+             "    __import__(\"sys\").path.append(str(file.path.parent))\n",
+             ("tests/run_folder/test_a_run_folder_is_data_its_code_runs_on_your_word.py::test_a_file_named_like_a_module_torch_looks_for_beside_a_recipe_or_a_run_folder_is_never_importable",
+              "tests/run_folder/test_a_run_folder_is_data_its_code_runs_on_your_word.py::test_eval_of_a_run_folder_with_opt_einsum_and_pynvml_beside_its_config_imports_neither")),
+    Mutation("trust in a Hub repository's code taken from a file",
+             "accel_train/config/trust.py", "        if getattr(getattr(config, section), name) and key in origins:",
+             "        if False:",
+             ("tests/run_folder/test_a_run_folder_is_data_its_code_runs_on_your_word.py::test_trust_in_a_hubs_code_and_in_pickles_comes_from_the_command_never_from_a_file",)),
+    Mutation("any code taken for code this user trained or allowed (the record's digest not compared)",
+             "accel_train/config/trust.py", "    return digest in _read_record(record_path())",
+             "    return True",
+             ("tests/run_folder/test_a_run_folder_is_data_its_code_runs_on_your_word.py::test_your_own_run_needs_no_word_and_code_changed_since_or_another_users_needs_it_again",)),
+    Mutation("the record's digest blind to the module's content (a changed module taken for the one trained)",
+             "accel_train/config/trust.py", "    items = sorted([key, path, str(where.file), where.content_hash()]",
+             "    items = sorted([key, path, str(where.file)]",
+             ("tests/run_folder/test_a_run_folder_is_data_its_code_runs_on_your_word.py::test_your_own_run_needs_no_word_and_code_changed_since_or_another_users_needs_it_again",)),
 ]
 
 
