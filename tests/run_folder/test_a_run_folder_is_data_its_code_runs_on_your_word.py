@@ -176,8 +176,10 @@ def test_eval_of_a_run_folder_with_opt_einsum_and_pynvml_beside_its_config_impor
     """A fresh interpreter, as a user's: torch's own import looks for both."""
     for name in ("opt_einsum", "pynvml"):
         (own_run / f"{name}.py").write_text(MARKS.format(marker=str(tmp_path / f"MARK-{name}")))
-    run_cli("eval", str(own_run), env={**FRESH_PROCESSES, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    evaluated = run_cli("eval", str(own_run), check=False, env={**FRESH_PROCESSES, "PYTHONPATH": str(
+        tmp_path / "project"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert not list(tmp_path.glob("MARK-*"))
+    assert evaluated.returncode == 0, evaluated.stderr
 
 
 def test_your_own_run_needs_no_word_and_code_changed_since_or_another_users_needs_it_again(
