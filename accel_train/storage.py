@@ -50,6 +50,28 @@ def is_remote(location: str | os.PathLike) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+def expand_home(location: str | None) -> str | None:
+    """A local path with `~` (or `~user`) at its start made that home folder, as a shell does; a URL, and None, as
+    they are. Needed where a path comes from a recipe, an override or a NAME=VALUE argument: bash expands `~` only
+    at the start of a word, so `output_dir=~/runs/x` reaches us as it was typed."""
+    if location is None or is_remote(location):
+        return location
+    return os.path.expanduser(location)
+
+
+def refuse_no_folder(path: Path, named: str) -> None:
+    """One line where a folder is to be made or filled at `path` but cannot be: `path` is a file (or a link to one),
+    a link to nothing, or below a file."""
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{named}: {path} is a link to {os.readlink(path)}, which is not there; give a folder")
+    above = next((folder for folder in (path, *path.parents) if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        what = "a link to a file" if above.is_symlink() else "a file"
+        if above == path:
+            raise UserError(f"{named}: {path} is {what}, not a folder; give a new folder")
+        raise UserError(f"{named}: {above} is {what}, so no folder {path} can be made below it; give another folder")
+
+
 def join(location: str, *names: str) -> str:
     """`location/name/...` for a URL or a local path alike."""
     return "/".join([str(location).rstrip("/"), *(name.strip("/") for name in names)])
