@@ -101,7 +101,7 @@ def planned_files(recipe: dict) -> dict[str, int]:
 def recorded_files(root: Path) -> tuple[dict | None, list[str]] | None:
     """(the recipe, the files) photos.json records of a folder this command made; None for a new or empty folder.
     A place that is not a folder, or a folder this command did not make, is refused in one line."""
-    refuse_no_folder(root, "photos")
+    refuse_no_folder(root, f"photos: {root}")
     if not root.is_dir():
         return None
     try:

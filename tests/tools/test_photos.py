@@ -83,7 +83,7 @@ def test_a_folder_photos_made_that_holds_a_users_file_is_refused_in_one_line_nam
     ("file", "photos: {tmp}/file is a file, not a folder; give a new folder"),
     ("link_to_file", "photos: {tmp}/link_to_file is a link to a file, not a folder; give a new folder"),
     ("link_to_nothing", "photos: {tmp}/link_to_nothing is a link to {tmp}/gone, which is not there; give a folder"),
-    ("file/sub", "photos: {tmp}/file is a file, so no folder {tmp}/file/sub can be made below it; give another "
+    ("file/sub", "photos: {tmp}/file/sub: {tmp}/file is a file, so no folder can be made below it; give another "
                  "folder"),
 ])
 def test_photos_where_no_folder_can_be_is_one_line_and_makes_nothing(tmp_path, capsys, place, line):
