@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from accel_train.config import Config, list_recipes, load_config, refuse_contradictions
 from accel_train.config.recipes import run_folder_of
+from accel_train.config.schema import expand_home
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
 from accel_train.run.checkpoint_files import list_checkpoints, read_meta
@@ -64,7 +65,7 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
           train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
           task: Task | None = None) -> dict:
     """Train; returns the final evaluation's metrics (every process gets the same)."""
-    url = None
+    url, recipe = None, expand_home(recipe) if isinstance(recipe, str) else recipe
     if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store: its config.yaml is the recipe
         url, recipe = recipe.rstrip("/"), str(readable_run(recipe, (CONFIG_FILE,)))
     run = None if isinstance(recipe, Config) else run_folder_of(str(recipe))
@@ -150,7 +151,7 @@ def predict(recipe: str | Config | None = None, checkpoint: str | None = None, i
     if inputs is None:
         raise UserError("predict needs inputs: an image file, a folder or a glob, e.g. inputs='photos/'")
     config, checkpoint = run_config(recipe, checkpoint, overrides, "predict", model, task)
-    return predict_run(config, checkpoint, str(inputs), output, task=task, model=model)
+    return predict_run(config, checkpoint, expand_home(str(inputs)), expand_home(output), task=task, model=model)
 
 
 def predict_run(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
@@ -167,6 +168,7 @@ def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: S
     no torch import, so the command line answers before torch loads."""
     if split not in ("test", "val"):
         raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
+    recipe, checkpoint = expand_home(recipe) if isinstance(recipe, str) else recipe, expand_home(checkpoint)
     if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store, copied into the read cache
         recipe = _copied(recipe, command, recipe)
     if checkpoint is not None and is_remote(checkpoint):

@@ -50,15 +50,6 @@ def is_remote(location: str | os.PathLike) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def expand_home(location: str | None) -> str | None:
-    """A local path with `~` (or `~user`) at its start made that home folder, as a shell does; a URL, and None, as
-    they are. Needed where a path comes from a recipe, an override or a NAME=VALUE argument: bash expands `~` only
-    at the start of a word, so `output_dir=~/runs/x` reaches us as it was typed."""
-    if location is None or is_remote(location):
-        return location
-    return os.path.expanduser(location)
-
-
 def refuse_no_folder(path: Path, said: str) -> None:
     """One line where a folder is to be made or filled at `path` but cannot be: `path` is a file (or a link to one),
     a link to nothing, or below a file. `said`: how the line names the place (`photos: OUT`, `export: output=DIR`)."""

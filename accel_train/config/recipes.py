@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from accel_train.config.overrides import apply_overrides, build, spelled
-from accel_train.config.schema import Config, TrainConfig, check_values
+from accel_train.config.schema import Config, TrainConfig, check_values, expand_paths
 from accel_train.errors import UserError
 from accel_train.import_paths import add_search_dir
 
@@ -34,6 +34,7 @@ def load_config(recipe: str | Config, overrides: list[str] = ()) -> Config:
         config = build(Config, _read_recipe(recipe), prefix="")
         config.recipe = recipe
     given = apply_overrides(config, overrides)
+    expand_paths(config)
     check_values(config, given)
     _resolve_lr(config.train, lr_given="train.lr" in given)
     return config
