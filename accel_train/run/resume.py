@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
 from accel_train.console import note, warn
 from accel_train.distributed.collectives import first_message
-from accel_train.errors import UserError
+from accel_train.errors import UserError, refused_call
 from accel_train.run.checkpoint_files import ACCELERATE_CUSTOM, list_checkpoints, load_tensor_parts, meta_or_damage
 from accel_train.run.layout import CHECKPOINTS_DIR, LOOP_STATE_FILE, MODEL_FILE, checkpoints_dir
 from accel_train.run.weights import shape_mismatch
@@ -241,11 +241,9 @@ def load_checkpoint(accelerator: Accelerator, folder: Path, meta: dict,
             accelerator.load_state(str(readable), load_kwargs={"weights_only": True})
         load_tensor_parts(folder, tensor_parts or {})
     except Exception as err:
-        # torch's words: "Unsupported global: GLOBAL x.y was not an allowed global", "unsupported GLOBAL os.system
-        # whose module os is blocked"
-        refused = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.IGNORECASE)
+        refused = refused_call(err)
         if refused:  # whole, and naming a function: what a library that differs writes, or someone else
-            return None, (f"a file holds a call to {refused.group(1)}, which loading with weights_only refuses; "
+            return None, (f"a file holds a call to {refused}, which loading with weights_only refuses; "
                           "nothing in it was run (accel-train's own checkpoints hold no such call: a library that "
                           "differs wrote it, or someone else did)")
         text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
