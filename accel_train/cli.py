@@ -670,7 +670,8 @@ PATH_ARGUMENTS = ("checkpoint", "input", "output", "output_dir")  # NAME=VALUE a
 
 def _arguments(overrides: list[str], names: dict, command: str) -> tuple[dict[str, str], list[str]]:
     """Split NAME=VALUE command arguments (checkpoint=, input=, output=) from the config overrides; `~` expanded in
-    those that are paths, as in a config key (the shell leaves it in `output=~/x`)."""
+    those that are paths, as in a config key (sh and zsh leave it in `output=~/x`, and so does bash in
+    `output='~/x'`)."""
     from accel_train.config.schema import expand_home
 
     given = {}

@@ -390,14 +390,15 @@ def check_values(config: Config, given: set[str] | frozenset[str] = frozenset())
 
 def expand_home(path: str | None) -> str | None:
     """`~` (or `~user`) at the start of a local path made that home folder, as a shell does; anything else (a URL,
-    None) as it is. Wherever a path comes from a recipe, an override or a NAME=VALUE argument: bash expands `~` only
-    at the start of a word, so `output_dir=~/runs/x` reaches us as it was typed."""
+    None) as it is. Wherever a path comes from a recipe, an override or a NAME=VALUE argument: a shell expands `~`
+    after `NAME=` at most where NAME could be a variable of its own (bash: `output_dir=~/x`, never `data.root=~/x`;
+    sh, zsh and a quoted word: neither), so most reach us as they were typed."""
     return os.path.expanduser(path) if path is not None else None
 
 
 def expand_paths(config: Config) -> None:
     """expand_home of every key that is a path (doc(..., path=True)): a recipe's `output_dir: ~/runs/x` or an override
-    `output_dir=~/runs/x` would otherwise make a folder named `~`."""
+    `data.root=~/data` would otherwise make a folder named `~`."""
     for node in (config, *(getattr(config, section) for section in SECTIONS)):
         for spec in dataclasses.fields(node):
             if spec.metadata.get("path"):

@@ -43,7 +43,7 @@ def meta_or_damage(folder: Path) -> tuple[dict | None, str | None]:
     except FileNotFoundError:
         return None, f"it has no {CHECKPOINT_META_FILE}"
     except (OSError, ValueError) as err:  # JSONDecodeError, UnicodeDecodeError: ValueError
-        return None, f"its {CHECKPOINT_META_FILE} does not read ({type(err).__name__}: {str(err).splitlines()[0]})"
+        return None, f"its {CHECKPOINT_META_FILE} does not read: {type(err).__name__}: {str(err).splitlines()[0]}"
     if not isinstance(meta, dict):
         return None, f"its {CHECKPOINT_META_FILE} holds no mapping"
     if meta.get("format") != FORMAT:

@@ -299,8 +299,8 @@ PATH_KEYS = {"output_dir": "~/runs/fm", "resume": "~/runs/fm/checkpoints/step-00
 
 def test_a_tilde_in_every_path_key_is_the_home_folder_the_same_in_a_recipe_and_on_the_command_line(
         tmp_path, monkeypatch):
-    """Bash expands `~` only at the start of a word: `output_dir=~/runs/fm` reaches accel-train as typed, as a
-    recipe's `output_dir: ~/runs/fm` does. A URL and resume=auto are left as they are."""
+    """A shell leaves `~` in most overrides (bash in `data.root=~/data`, sh and zsh in every one): they reach
+    accel-train as typed, as a recipe's `output_dir: ~/runs/fm` does. A URL and resume=auto are left as they are."""
     import yaml
 
     from accel_train.config import flatten
@@ -324,7 +324,7 @@ def test_a_tilde_in_every_path_key_is_the_home_folder_the_same_in_a_recipe_and_o
 
 def test_a_recipe_with_output_dir_under_tilde_trains_there_and_never_makes_a_folder_named_tilde(tmp_path, monkeypatch,
                                                                                                 capsys):
-    """And the commands' path arguments alike: eval checkpoint=~/..., plot output=~/... (the shell leaves both)."""
+    """And the commands' path arguments alike: eval checkpoint=~/..., plot output=~/... (as sh and zsh leave them)."""
     from support.commands import train_in_process
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
