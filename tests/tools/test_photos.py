@@ -106,3 +106,18 @@ def test_photos_into_a_read_only_place_is_one_line_exit_74(small_disk, capsys):
     assert (code, out) == (74, "")
     assert err == (f"accel-train: error: cannot write {disk / 'p'} while making a folder of photographs (read-only "
                    "file system); give a folder you can write to\n")
+
+
+def test_a_record_naming_a_file_outside_the_folder_deletes_nothing_and_is_one_line(tmp_path, capsys):
+    """photos.json is a file in the user's folder: one that names ../x (edited, or not this command's) is no record
+    of photos' own files, and x outlives it."""
+    photos(capsys, tmp_path / "p", "--train", "2", "--test", "1")
+    (tmp_path / "x.jpg").write_text("mine")
+    record = json.loads((tmp_path / "p" / "photos.json").read_text())
+    (tmp_path / "p" / "photos.json").write_text(json.dumps({**record, "files": [*record["files"], "../x.jpg"]}))
+
+    code, out, err = photos(capsys, tmp_path / "p", "--train", "4", "--test", "2")
+
+    assert (code, out) == (2, "") and (tmp_path / "x.jpg").read_text() == "mine"
+    assert err == (f"accel-train: error: photos: {tmp_path / 'p'} holds photos.json and is not a folder of photographs "
+                   "this command made; give a new folder\n")
