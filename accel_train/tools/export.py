@@ -27,6 +27,7 @@ from accel_train.versions import check_versions
 
 FORMATS = ("library", "onnx")
 ONNX_TOLERANCE = 1e-4  # fp32 logits, onnxruntime's CPU kernels against torch's
+WRITABLE = "give an output= folder you can write to"
 
 
 def export_run(config: Config, checkpoint: str, output: str, format: str = "library") -> list[str]:
@@ -75,9 +76,6 @@ def export_run(config: Config, checkpoint: str, output: str, format: str = "libr
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return sorted(path.name for path in folder.iterdir())
-
-
-WRITABLE = "give an output= folder you can write to"
 
 
 def output_folder(output: str) -> Path:
