@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from accel_train.config import Config, list_recipes, load_config, refuse_contradictions
 from accel_train.config.recipes import run_folder_of
+from accel_train.config.schema import expand_home
 from accel_train.config.trust import check_code, remember_trained
 from accel_train.errors import DataNotFoundError, UserError
 from accel_train.import_paths import given_object_name
@@ -69,7 +70,7 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
           task: Task | None = None, trust_code: bool = False) -> dict:
     """Train; returns the final evaluation's metrics (every process gets the same). `trust_code`: the code a run
     folder's config.yaml names may run (the command line's --trust-code; config/trust.py)."""
-    url = None
+    url, recipe = None, expand_home(recipe) if isinstance(recipe, str) else recipe
     if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store: its config.yaml is the recipe
         url, recipe = recipe.rstrip("/"), str(readable_run(recipe, (CONFIG_FILE,)))
     run = None if isinstance(recipe, Config) else run_folder_of(str(recipe))
@@ -172,7 +173,7 @@ def predict(recipe: str | Config | None = None, checkpoint: str | None = None, i
     if inputs is None:
         raise UserError("predict needs inputs: an image file, a folder or a glob, e.g. inputs='photos/'")
     config, checkpoint = run_config(recipe, checkpoint, overrides, "predict", model, task, trust_code=trust_code)
-    return predict_run(config, checkpoint, str(inputs), output, task=task, model=model)
+    return predict_run(config, checkpoint, expand_home(str(inputs)), expand_home(output), task=task, model=model)
 
 
 def predict_run(config: Config, checkpoint: str, inputs: str, output: str | None = None, *, task: Task | None = None,
@@ -190,6 +191,7 @@ def run_config(recipe: str | Config | None, checkpoint: str | None, overrides: S
     no torch import, so the command line answers before torch loads."""
     if split not in ("test", "val"):
         raise UserError(f"split={split}: choose test or val (the validation split the run held out)")
+    recipe, checkpoint = expand_home(recipe) if isinstance(recipe, str) else recipe, expand_home(checkpoint)
     if isinstance(recipe, str) and is_remote(recipe):  # a run folder in a store, copied into the read cache
         recipe = _copied(recipe, command, recipe)
     if checkpoint is not None and is_remote(checkpoint):

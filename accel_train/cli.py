@@ -688,13 +688,20 @@ def _recipe_or_override(recipe: str | None, overrides: list[str]) -> tuple[str |
     return recipe, list(overrides)
 
 
+PATH_ARGUMENTS = ("checkpoint", "input", "output", "output_dir")  # NAME=VALUE arguments that name a path (or URL)
+
+
 def _arguments(overrides: list[str], names: dict, command: str) -> tuple[dict[str, str], list[str]]:
-    """Split NAME=VALUE command arguments (checkpoint=, input=, output=) from the config overrides."""
+    """Split NAME=VALUE command arguments (checkpoint=, input=, output=) from the config overrides; `~` expanded in
+    those that are paths, as in a config key (sh and zsh leave it in `output=~/x`, and so does bash in
+    `output='~/x'`)."""
+    from accel_train.config.schema import expand_home
+
     given = {}
     for override in overrides:
         name, sep, value = override.partition("=")
         if sep and name in names:
-            given[name] = value
+            given[name] = expand_home(value) if name in PATH_ARGUMENTS else value
     missing = [text for name, text in names.items() if text and name not in given]
     if missing:
         raise UserError(f"{command} needs {' and '.join(missing)}: {COMMANDS[command][1]}")

@@ -90,6 +90,16 @@ class Preempted(Exception):
     exit_code = 75
 
 
+def refused_call(err: Exception) -> str | None:
+    """The function a pickle calls that torch.load(weights_only=True) refused to call (its words: "Unsupported
+    global: GLOBAL x.y was not an allowed global", "unsupported GLOBAL os.system whose module os is blocked"), or
+    None for any other error."""
+    import re
+
+    refused = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.IGNORECASE)
+    return refused.group(1) if refused else None
+
+
 def did_you_mean(name: str, choices) -> str:
     """` (did you mean X?)` for the closest of `choices`, for the line that names a mistyped name; or nothing."""
     import difflib

@@ -50,6 +50,19 @@ def is_remote(location: str | os.PathLike) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+def refuse_no_folder(path: Path, said: str) -> None:
+    """One line where a folder is to be made or filled at `path` but cannot be: `path` is a file (or a link to one),
+    a link to nothing, or below a file. `said`: how the line names the place (`photos: OUT`, `export: output=DIR`)."""
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{said} is a link to {os.readlink(path)}, which is not there; give a folder")
+    above = next((folder for folder in (path, *path.parents) if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        what = "a link to a file" if above.is_symlink() else "a file"
+        if above == path:
+            raise UserError(f"{said} is {what}, not a folder; give a new folder")
+        raise UserError(f"{said}: {above} is {what}, so no folder can be made below it; give another folder")
+
+
 def join(location: str, *names: str) -> str:
     """`location/name/...` for a URL or a local path alike."""
     return "/".join([str(location).rstrip("/"), *(name.strip("/") for name in names)])

@@ -24,6 +24,7 @@ os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="accel-train-tests-cache-")
 
 from support import commands, processes
+from support.disks import tmpfs_mounts
 from support.nodes import two_network_namespaces
 from support.object_store import object_store_for_module, object_store_for_test
 
@@ -52,6 +53,14 @@ def two_hosts():
     """Two network namespaces joined by a veth pair (support.nodes.Host each); skips where they cannot be made."""
     with two_network_namespaces() as hosts:
         yield hosts
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size, readonly) -> a folder on a tmpfs of that size (support.disks); skips where mounting is not
+    allowed."""
+    with tmpfs_mounts(tmp_path) as mount:
+        yield mount
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from accel_train.config.overrides import apply_overrides, build, spelled
-from accel_train.config.schema import Config, TrainConfig, check_values
+from accel_train.config.schema import Config, TrainConfig, check_values, expand_paths
 from accel_train.config.trust import RecipeFile, keys_named, sort_named_code, take_trust_from_command, value_at
 from accel_train.errors import UserError
 from accel_train.import_paths import IMPORT_PATH_KEYS, is_import_path, locate
@@ -37,6 +37,7 @@ def load_config(recipe: str | Config, overrides: list[str] = ()) -> Config:
         config.recipe = recipe
         config.ignored_trust = take_trust_from_command(config, read.origins)
     given = apply_overrides(config, overrides)
+    expand_paths(config)
     check_values(config, given)
     _resolve_lr(config.train, lr_given="train.lr" in given)
     sort_named_code(config, read.origins, read.own_folders, given)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -38,9 +39,11 @@ OPEN_UNIT = Range(lambda value: 0 < value < 1, "must be between 0 and 1 (e.g. 0.
 BELOW_ONE = Range(lambda value: value < 1, "must be below 1")
 
 
-def doc(text: str, within: Range | tuple[Range, ...] = (), **kwargs: Any) -> Any:
-    """A field with a one-line description (shown in errors and `accel-train keys`) and the ranges its values keep."""
-    return field(metadata={"help": text, "within": within if isinstance(within, tuple) else (within,)}, **kwargs)
+def doc(text: str, within: Range | tuple[Range, ...] = (), path: bool = False, **kwargs: Any) -> Any:
+    """A field with a one-line description (shown in errors and `accel-train keys`), the ranges its values keep, and
+    whether it is a path (`~` expanded: expand_paths)."""
+    return field(metadata={"help": text, "within": within if isinstance(within, tuple) else (within,), "path": path},
+                 **kwargs)
 
 
 @dataclass
@@ -68,7 +71,7 @@ class DataConfig:
     num_classes: int | None = doc("classes of a dataset given by import path (unset: len(dataset.classes))",
                                   default=None, within=POSITIVE)
     root: str = doc("folder holding (or receiving) the dataset files; for data.name=shards a folder or any fsspec URL "
-                    "(s3://, gs://, az://; credentials from the storage's own environment)", default="data")
+                    "(s3://, gs://, az://; credentials from the storage's own environment)", default="data", path=True)
     train_subset: int | None = doc("train on the first N samples only (same N at any world size)",
                                    default=None, within=POSITIVE)
     eval_subset: int | None = doc("evaluate on the first N samples only (same N at any world size)",
@@ -115,7 +118,8 @@ class DataConfig:
                        "contiguous run of the epoch's shards; a multiple of the machines lets each machine read "
                        "only its own shards (must divide train.batch_size)", default=1, within=POSITIVE)
     cache_dir: str | None = doc("data.name=shards: this machine's cache of shard blocks, shared by its processes "
-                                "(unset: ~/.cache/accel-train/shards, or under XDG_CACHE_HOME)", default=None)
+                                "(unset: ~/.cache/accel-train/shards, or under XDG_CACHE_HOME)", default=None,
+                                path=True)
     cache_gb: float = doc("data.name=shards: the most the cache keeps, in GB; the least recently used blocks go first",
                           default=50.0, within=POSITIVE)
     store_patience_s: float = doc("data.name=shards: how long reads retry a store that does not answer (or answers "
@@ -146,7 +150,7 @@ class ModelConfig:
                                       "you trust)", default=False)
     init_from: str | None = doc("start from the weights of an earlier run: its output_dir (model.safetensors), one of "
                                 "its checkpoint folders or a .safetensors file; a new run, the optimizer and "
-                                "schedule fresh (unset: the model's own initialisation)", default=None)
+                                "schedule fresh (unset: the model's own initialisation)", default=None, path=True)
     freeze_backbone: bool = doc("train only the new classification head of a pretrained model (linear probing)",
                                 default=False)
     dropout: bool = doc("keep the architecture's dropout layers (off for exact cross-world-size checks)", default=True)
@@ -296,14 +300,14 @@ class Config:
     seed: int = doc("seed for model init and data order; per-process randomness derives from it", default=0)
     output_dir: str = doc("folder for config.yaml, metrics.jsonl, checkpoints/ and the final model: a local path, "
                           "or a URL in object storage (s3://bucket/runs/a, gs://, az://; credentials from the "
-                          "storage's own environment)", default="runs/default")
+                          "storage's own environment)", default="runs/default", path=True)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
     resume: str | None = doc("auto: continue from the newest complete checkpoint in output_dir, if any; "
-                                "or the path (or URL) of one of its checkpoint folders", default=None)
+                                "or the path (or URL) of one of its checkpoint folders", default=None, path=True)
 
     # Recorded, not a key: the recipe name or file load_config read (None for a Config built in Python).
     recipe: typing.ClassVar[str | None] = None
@@ -386,6 +390,23 @@ def check_values(config: Config, given: set[str] | frozenset[str] = frozenset())
     if stuck and stuck >= timeout:
         raise UserError(f"train.stuck_after_s={stuck:g} must be below train.collective_timeout_s={timeout}: the stuck "
                         "report comes before torch's timeout ends the processes; lower the first or raise the second")
+
+
+def expand_home(path: str | None) -> str | None:
+    """`~` (or `~user`) at the start of a local path made that home folder, as a shell does; anything else (a URL,
+    None) as it is. Wherever a path comes from a recipe, an override or a NAME=VALUE argument: a shell expands `~`
+    after `NAME=` at most where NAME could be a variable of its own (bash: `output_dir=~/x`, never `data.root=~/x`;
+    sh, zsh and a quoted word: neither), so most reach us as they were typed."""
+    return os.path.expanduser(path) if path is not None else None
+
+
+def expand_paths(config: Config) -> None:
+    """expand_home of every key that is a path (doc(..., path=True)): a recipe's `output_dir: ~/runs/x` or an override
+    `data.root=~/data` would otherwise make a folder named `~`."""
+    for node in (config, *(getattr(config, section) for section in SECTIONS)):
+        for spec in dataclasses.fields(node):
+            if spec.metadata.get("path"):
+                setattr(node, spec.name, expand_home(getattr(node, spec.name)))
 
 
 def fields_of(cls: type) -> dict[str, dataclasses.Field]:

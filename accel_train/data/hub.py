@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from accel_train.config import DataConfig
+from accel_train.config.schema import expand_home
 from accel_train.data.classes import labelled_by
 from accel_train.data.decode import decode_image_bytes
 from accel_train.data.imagefolder import augments, imagefolder_finish, imagefolder_transform
@@ -32,7 +33,8 @@ HOLD_OUT_SEED = 0  # a dataset without an evaluation split: the samples held out
 
 
 def where(cfg: DataConfig) -> str:
-    return cfg.name.partition(":")[2]
+    """What follows hf:, a Hub name or a local folder (`~` expanded, as in every path key)."""
+    return expand_home(cfg.name.partition(":")[2])
 
 
 @functools.lru_cache(maxsize=4)
@@ -42,15 +44,24 @@ def _load(name: str, revision: str | None, args_json: str):
     import datasets
 
     logging.getLogger("datasets").setLevel(logging.ERROR)
-    folder = Path(name).expanduser()
+    folder, args = Path(name), json.loads(args_json)
+    refuse_loading_scripts(name, args)
     try:
         if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
             loaded = datasets.load_from_disk(str(folder))
         else:
             try:
-                loaded = datasets.load_dataset(name, revision=revision, **json.loads(args_json))
+                loaded = datasets.load_dataset(name, revision=revision, **args)
             except ConnectionError:
-                loaded = datasets.load_dataset(cached_snapshot(name, revision), **json.loads(args_json))
+                loaded = datasets.load_dataset(cached_snapshot(name, revision), **args)
+    except RuntimeError as err:  # datasets 4 and later: "Dataset scripts are no longer supported, but found X.py"
+        if "scripts are no longer supported" not in str(err):
+            raise
+        script = str(err).rpartition(" ")[2]
+        raise DataNotFoundError(f"data.name=hf:{name} is a dataset loading script ({script}), which datasets "
+                                f"{datasets.__version__} does not run and accel-train never does; give a revision "
+                                "of it in parquet (the Hub converts many: data.revision=refs/convert/parquet), or a "
+                                "folder of parquet, arrow or image files") from None
     except (ConnectionError, FileNotFoundError, OSError) as err:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataNotFoundError(f"data.name=hf:{name}: cannot load it ({text}); offline (HF_HUB_OFFLINE=1) it must be "
@@ -59,6 +70,22 @@ def _load(name: str, revision: str | None, args_json: str):
     except ValueError as err:  # datasets' own words for a config or split it does not know
         raise UserError(f"data.name=hf:{name}: {str(err).splitlines()[0]}") from None
     return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+
+
+def refuse_loading_scripts(name: str, args: dict) -> None:
+    """A dataset that is a loading script (a .py named as its folder, datasets' rule, or a .py given itself) is never
+    run: datasets before 4 would, with trust_remote_code, which data.args may not pass either."""
+    if "trust_remote_code" in args:
+        raise UserError(f"data.args.trust_remote_code: a dataset's loading script never runs in accel-train; give "
+                        f"data.name=hf:{name} as parquet, arrow or image files (or a save_to_disk folder), and remove "
+                        "it")
+    folder = Path(name)
+    script = folder if folder.suffix == ".py" else folder / f"{folder.name}.py"
+    if script.is_file():
+        raise DataNotFoundError(f"data.name=hf:{name}: {script} is a dataset loading script, which accel-train never "
+                                "runs (nor does datasets from version 4); give a folder of parquet, arrow or image "
+                                "files, or one save_to_disk wrote (convert the dataset with its script where you "
+                                "trust it)")
 
 
 def cached_snapshot(name: str, revision: str | None) -> str:

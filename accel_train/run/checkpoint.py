@@ -31,6 +31,7 @@ from accel_train.run.background_saves import BackgroundSaves, UnderWay
 from accel_train.run.checkpoint_files import (
     PARTIAL_PREFIX,
     TENSOR_PART,
+    damaged_checkpoints,
     list_checkpoints,
     manifest,
     read_meta,
@@ -213,10 +214,12 @@ class Checkpoints:
         if not config.resume:
             return ResumePoint()
         if config.resume == "auto":
-            candidates = list_checkpoints(self.directory)
+            candidates, damaged = list_checkpoints(self.directory), damaged_checkpoints(self.directory)
             for partial in self.place.unfinished_saves():
                 warn(logger, accelerator, f"ignoring {shown(partial)}: a save that did not complete")
-            if not candidates:
+            for folder, why in damaged:
+                warn(logger, accelerator, f"checkpoint {shown(folder)} is unusable ({why}); passed over")
+            if not candidates and not damaged:
                 note(logger, accelerator,
                      f"resume=auto: no checkpoint in {shown(self.directory)}; starting from step 0")
                 return ResumePoint()

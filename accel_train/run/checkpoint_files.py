@@ -26,12 +26,33 @@ TENSOR_PART = "{name}.safetensors"
 ACCELERATE_CUSTOM = "custom_checkpoint_{index}.pkl"
 
 
+# What every reader of checkpoint.json counts on, by type: a manifest without one of them is damaged.
+META_KEYS = {"serial": int, "step": int, "epoch": int, "batches_done_in_epoch": int, "steps_per_epoch": int,
+             "evaluated": bool, "metrics": dict, "world_size": int, "files": dict, "config": dict}
+
+
 def read_meta(folder: Path) -> dict | None:
+    return meta_or_damage(folder)[0]
+
+
+def meta_or_damage(folder: Path) -> tuple[dict | None, str | None]:
+    """(checkpoint.json's contents, None), or (None, what is wrong with it: missing, not JSON, without a key every
+    reader counts on, or of a format this version does not write)."""
     try:
         meta = json.loads((folder / CHECKPOINT_META_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+    except FileNotFoundError:
+        return None, f"it has no {CHECKPOINT_META_FILE}"
+    except (OSError, ValueError) as err:  # JSONDecodeError, UnicodeDecodeError: ValueError
+        return None, f"its {CHECKPOINT_META_FILE} does not read: {type(err).__name__}: {str(err).splitlines()[0]}"
+    if not isinstance(meta, dict):
+        return None, f"its {CHECKPOINT_META_FILE} holds no mapping"
+    if meta.get("format") != FORMAT:
+        return None, (f"its {CHECKPOINT_META_FILE} is of format {meta.get('format')}, not {FORMAT}: written by "
+                      "another version of accel-train, or damaged")
+    wrong = next((key for key, kind in META_KEYS.items() if not isinstance(meta.get(key), kind)), None)
+    if wrong is not None:
+        return None, f"its {CHECKPOINT_META_FILE} has no {META_KEYS[wrong].__name__} {wrong}"
+    return meta, None
 
 
 def manifest(progress: Progress, evaluated: bool, parts: dict[str, list], serial: int, world_size: int,
@@ -57,13 +78,23 @@ def manifest(progress: Progress, evaluated: bool, parts: dict[str, list], serial
 
 def list_checkpoints(directory: Path) -> list[tuple[Path, dict]]:
     """Checkpoints whose metadata reads, oldest save first. Partial folders have none and are never listed."""
-    found = []
-    if directory.is_dir():
-        for folder in directory.iterdir():
-            meta = read_meta(folder) if folder.is_dir() and not folder.name.startswith(".") else None
-            if meta is not None:
-                found.append((folder, meta))
+    found = [(folder, meta) for folder, meta, _ in _checkpoint_folders(directory) if meta is not None]
     return sorted(found, key=lambda item: item[1]["serial"])
+
+
+def damaged_checkpoints(directory: Path) -> list[tuple[Path, str]]:
+    """The committed checkpoints (folders a save renamed into place) whose checkpoint.json does not read, with what
+    is wrong with it: never listed, so a resume passes over them, saying so."""
+    return sorted((folder, why) for folder, meta, why in _checkpoint_folders(directory) if meta is None)
+
+
+def _checkpoint_folders(directory: Path) -> list[tuple[Path, dict | None, str | None]]:
+    """(folder, metadata or None, what is wrong with it) of each folder a save renamed into place (a save in progress
+    is a .partial- folder)."""
+    if not directory.is_dir():
+        return []
+    return [(folder, *meta_or_damage(folder)) for folder in directory.iterdir()
+            if folder.is_dir() and not folder.name.startswith(".")]
 
 
 def to_keep(checkpoints: list[tuple[Path, dict]], keep_last: int, best_metric: str | None,

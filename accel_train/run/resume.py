@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 from accel_train.config import SHARD_ORDER_KEYS, DataConfig, refuse_contradictions, spelled
 from accel_train.console import note, warn
 from accel_train.distributed.collectives import first_message
-from accel_train.errors import UserError
-from accel_train.run.checkpoint_files import ACCELERATE_CUSTOM, list_checkpoints, load_tensor_parts, read_meta
-from accel_train.run.layout import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LOOP_STATE_FILE, MODEL_FILE, checkpoints_dir
+from accel_train.errors import UserError, refused_call
+from accel_train.run.checkpoint_files import ACCELERATE_CUSTOM, list_checkpoints, load_tensor_parts, meta_or_damage
+from accel_train.run.layout import CHECKPOINTS_DIR, LOOP_STATE_FILE, MODEL_FILE, checkpoints_dir
 from accel_train.run.weights import shape_mismatch
 from accel_train.state import ResumePoint
 from accel_train.storage import is_remote, join
@@ -107,10 +107,10 @@ def check_resume(config: Config, place: RunPlace) -> Path | None:
             refuse_other_identity(place.shown(found[-1][0]), found[-1][1], config)
         return None
     folder = resume_folder(config, place)
-    meta = read_meta(folder)
+    meta, damage = meta_or_damage(folder)
     if meta is None:
-        raise UserError(f"resume={config.resume}: not a checkpoint (no readable {CHECKPOINT_META_FILE}); pass a folder "
-                        f"under OUTPUT_DIR/checkpoints/, or resume=auto")
+        raise UserError(f"resume={config.resume}: not a checkpoint ({damage}); pass a folder under "
+                        "OUTPUT_DIR/checkpoints/, or resume=auto")
     refuse_other_identity(place.shown(folder), meta, config)
     if folder.resolve().parent != own.resolve():
         raise UserError(f"resume={config.resume} is a checkpoint of another folder than "
@@ -241,11 +241,9 @@ def load_checkpoint(accelerator: Accelerator, folder: Path, meta: dict,
             accelerator.load_state(str(readable), load_kwargs={"weights_only": True})
         load_tensor_parts(folder, tensor_parts or {})
     except Exception as err:
-        # torch's words: "Unsupported global: GLOBAL x.y was not an allowed global", "unsupported GLOBAL os.system
-        # whose module os is blocked"
-        refused = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.IGNORECASE)
+        refused = refused_call(err)
         if refused:  # whole, and naming a function: what a library that differs writes, or someone else
-            return None, (f"a file holds a call to {refused.group(1)}, which loading with weights_only refuses; "
+            return None, (f"a file holds a call to {refused}, which loading with weights_only refuses; "
                           "nothing in it was run (accel-train's own checkpoints hold no such call: a library that "
                           "differs wrote it, or someone else did)")
         text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -12,8 +12,16 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from accel_train.config import CONFIG_FILE
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError, writing
-from accel_train.run.layout import CLASSES_FILE, MODEL_FILE, read_classes, usual_permissions
+from accel_train.run.layout import (
+    CHECKPOINT_META_FILE,
+    CHECKPOINTS_DIR,
+    CLASSES_FILE,
+    MODEL_FILE,
+    read_classes,
+    usual_permissions,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -53,10 +61,19 @@ def weights_file(checkpoint: str, key: str = "checkpoint") -> Path:
 
 
 def _refuse_other_content(weights: Path, named: str) -> None:
-    """A checkpoint's weights whose sha256 is not the one its checkpoint.json records: one line, before any read."""
-    from accel_train.run.checkpoint_files import read_meta, sha256_of
+    """A checkpoint's weights whose sha256 is not the one its checkpoint.json records, or which its damaged
+    checkpoint.json cannot vouch for: one line, before any read."""
+    from accel_train.run.checkpoint_files import meta_or_damage, sha256_of
 
-    recorded = ((read_meta(weights.parent) or {}).get("sha256") or {}).get(weights.name)
+    folder = weights.parent
+    if not ((folder / CHECKPOINT_META_FILE).exists() or folder.parent.name == CHECKPOINTS_DIR
+            and (folder.parent.parent / CONFIG_FILE).is_file()):
+        return  # not a checkpoint: a run folder's exported weights, or a file of the user's
+    meta, damage = meta_or_damage(folder)
+    if meta is None:
+        raise UnreadableFileError(f"{named}: {folder} is a checkpoint whose {weights.name} cannot be checked: "
+                                  f"{damage}; use another checkpoint of the run")
+    recorded = (meta.get("sha256") or {}).get(weights.name)
     if recorded and sha256_of(weights) != recorded:
         raise UnreadableFileError(f"{named}: {weights.name} is not the file that was written (its sha256 differs from "
                                   f"{weights.parent / 'checkpoint.json'}): damaged or replaced; use another checkpoint "

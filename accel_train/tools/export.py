@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,12 +20,14 @@ import yaml
 from packaging.version import Version
 
 from accel_train.config import Config
-from accel_train.errors import UserError
+from accel_train.errors import UserError, writing
 from accel_train.import_paths import source_of
+from accel_train.storage import refuse_no_folder
 from accel_train.versions import check_versions
 
 FORMATS = ("library", "onnx")
 ONNX_TOLERANCE = 1e-4  # fp32 logits, onnxruntime's CPU kernels against torch's
+WRITABLE = "give an output= folder you can write to"
 
 
 def export_run(config: Config, checkpoint: str, output: str, format: str = "library") -> list[str]:
@@ -41,9 +44,7 @@ def export_run(config: Config, checkpoint: str, output: str, format: str = "libr
     if format == "library" and source is None:
         raise UserError(f"export: model.name={config.model.name} has no library of its own to load it (hf: and timm: "
                         "models do); give format=onnx, or use the run's model.safetensors as it is")
-    folder = Path(output)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise UserError(f"export: output={output} holds files already; give a new folder")
+    folder = output_folder(output)
     task = task_named(config.task)
     task.check_config(config)
     classes = class_names(checkpoint, config.data.num_classes)
@@ -55,22 +56,36 @@ def export_run(config: Config, checkpoint: str, output: str, format: str = "libr
     task.setup(config, data)
     model = load_weights(task.build_model(config, data), read_weights(weights_file(checkpoint)), checkpoint,
                          f"model.name={config.model.name} on {config.data.name}").eval()
-    staging = folder.with_name(f".{folder.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    with writing(folder, "exporting the model", WRITABLE):
+        # staged under a name made for this export (nobody else's to lose), in the nearest folder that is there:
+        # the folders output= names are made only once the export is whole
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.export-", dir=next(
+            above for above in folder.parents if above.is_dir())))
     try:
-        if format == "onnx":
-            onnx_model(model, shape, staging)
-            (staging / "classes.json").write_text(json.dumps(classes, indent=1) + "\n")
-        else:
-            source.export(model, config.model, config.data, classes, staging)
-        (staging / "README.md").write_text(model_card(config, checkpoint, format))
-        if folder.exists():
-            folder.rmdir()
-        staging.replace(folder)
+        with writing(folder, "exporting the model", WRITABLE):
+            if format == "onnx":
+                onnx_model(model, shape, staging)
+                (staging / "classes.json").write_text(json.dumps(classes, indent=1) + "\n")
+            else:
+                source.export(model, config.model, config.data, classes, staging)
+            (staging / "README.md").write_text(model_card(config, checkpoint, format))
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            if folder.is_dir():  # empty (output_folder): the export takes its place
+                folder.rmdir()
+            staging.rename(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return sorted(path.name for path in folder.iterdir())
+
+
+def output_folder(output: str) -> Path:
+    """The new folder output= names (through a link to a folder: the folder it names), or one line: it holds files,
+    or cannot be a folder (a file, a link to one or to nothing, a path below a file)."""
+    refuse_no_folder(Path(output), f"export: output={output}")
+    folder = Path(output).resolve() if Path(output).is_symlink() else Path(output)
+    if folder.is_dir() and any(folder.iterdir()):
+        raise UserError(f"export: output={output} holds files already; give a new folder")
+    return folder
 
 
 class Outputs(torch.nn.Module):

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 from contextlib import contextmanager
 from pathlib import Path
 
 from torch import nn
 
 from accel_train.config import ModelConfig
-from accel_train.errors import DataNotFoundError, UserError
+from accel_train.config.schema import expand_home
+from accel_train.errors import DataNotFoundError, UserError, refused_call
 from accel_train.versions import check_versions
 from accel_train.workloads.heads import replace_head
 from accel_train.workloads.inputs import InputDefaults
@@ -27,7 +29,8 @@ INSTALL = "pip install 'accel-train[hub]'"
 
 
 def repository(cfg: ModelConfig) -> str:
-    return cfg.name.partition(":")[2]
+    """What follows hf:, a Hub name or a local folder (`~` expanded, as in every path key)."""
+    return expand_home(cfg.name.partition(":")[2])
 
 
 @contextmanager
@@ -48,23 +51,40 @@ def loading(cfg: ModelConfig, what: str = "loading it"):
         yield transformers
     except (UserError, KeyboardInterrupt):
         raise
-    except OSError as err:
-        text = str(err).splitlines()[0] if str(err) else type(err).__name__
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        raise DataNotFoundError(f"model.name={cfg.name}: {what} failed ({text[:200]}): a Hub repository must be in "
-                                f"the Hugging Face cache ({HF_HUB_CACHE}; HF_HOME sets it) or downloadable, a local "
-                                "folder must hold what save_pretrained writes (config.json, model.safetensors)"
-                                ) from None
-    except ValueError as err:
-        if "trust_remote_code" in str(err):
-            raise UserError(f"model.name={cfg.name}: the repository ships Python code of its own (auto_map), which "
-                            "runs only with model.trust_remote_code=true: set it only for a repository you trust"
-                            ) from None
-        raise UserError(f"model.name={cfg.name}: {what} failed: {str(err).splitlines()[0]}") from None
+    except (OSError, ValueError, pickle.UnpicklingError) as err:
+        raise load_error(cfg, what, err) from None
     finally:
         transformers.logging.set_verbosity(verbosity)
         transformers.logging.enable_progress_bar()
+
+
+def load_error(cfg: ModelConfig, what: str, err: Exception) -> UserError:
+    """The line for what transformers raised while `what`: pickled weights that torch.load(weights_only=True)
+    refused (exit 3; transformers before 4.47 raises OSError from that error), a repository that is neither cached
+    nor reachable (exit 3), code it would have to run, another mistake (exit 2)."""
+    chain = [err]
+    while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    unpickling = next((cause for cause in chain if isinstance(cause, pickle.UnpicklingError)), None)
+    if unpickling is not None:  # model.allow_pickled_weights=true, and the pickle is not tensors alone
+        refused, where = refused_call(unpickling), Path(repository(cfg))
+        named = where / PICKLED if where.is_dir() else f"the repository's {PICKLED}"
+        why = (f"holds a call to {refused}, which torch.load(weights_only=True) refuses; nothing in it was run" if
+               refused else f"does not load with torch.load(weights_only=True) ({weights_only_words(unpickling)}): "
+               "damaged, or not weights")
+        return DataNotFoundError(f"model.name={cfg.name}: {named} {why}; use a repository with safetensors weights, "
+                                 "or convert these to safetensors where you trust their source")
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, OSError):
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        return DataNotFoundError(f"model.name={cfg.name}: {what} failed ({text[:200]}): a Hub repository must be in "
+                                 f"the Hugging Face cache ({HF_HUB_CACHE}; HF_HOME sets it) or downloadable, a local "
+                                 "folder must hold what save_pretrained writes (config.json, model.safetensors)")
+    if "trust_remote_code" in str(err):
+        return UserError(f"model.name={cfg.name}: the repository ships Python code of its own (auto_map), which runs "
+                         "only with model.trust_remote_code=true: set it only for a repository you trust")
+    return UserError(f"model.name={cfg.name}: {what} failed: {text}")
 
 
 def _source(cfg: ModelConfig) -> dict:
@@ -134,6 +154,13 @@ def build(cfg: ModelConfig, num_classes: int, classes: list[str] | None) -> nn.M
 
 
 PICKLED = "pytorch_model.bin"
+
+
+def weights_only_words(err: Exception) -> str:
+    """What torch's weights-only unpickler says is wrong, from the paragraphs of advice around it."""
+    text = str(err)
+    said = text.partition("WeightsUnpickler error:")[2].strip() or text
+    return said.splitlines()[0][:200]
 
 
 def _has_pickled_weights(transformers, cfg: ModelConfig) -> bool:

@@ -173,6 +173,78 @@ def test_a_random_state_file_garbled_at_its_own_size_is_damage_not_a_resume_that
     assert f"resuming from {previous}: step 2" in captured.out
 
 
+DAMAGED_MANIFESTS = {  # checkpoint.json of the newest checkpoint, damaged: its text, and what the warning says of it
+    "cut short": (lambda text: text[:len(text) // 2], "its checkpoint.json does not read: JSONDecodeError: "),
+    "not UTF-8": (lambda text: "\udcff" + text, "its checkpoint.json does not read: UnicodeDecodeError: "),
+    "without its step": (lambda text: json.dumps({key: value for key, value in json.loads(text).items()
+                                                 if key != "step"}), "its checkpoint.json has no int step"),
+    "removed": (None, "it has no checkpoint.json"),
+}
+
+
+def damage_manifest(checkpoint: Path, how: str) -> None:
+    change = DAMAGED_MANIFESTS[how][0]
+    manifest = checkpoint / "checkpoint.json"
+    if change is None:
+        manifest.unlink()
+    else:
+        manifest.write_bytes(change(manifest.read_text()).encode("utf-8", "surrogateescape"))
+
+
+@pytest.mark.parametrize("how", DAMAGED_MANIFESTS)
+def test_a_damaged_checkpoint_json_of_the_newest_checkpoint_is_one_warning_and_the_previous_checkpoint_resumes(
+        small_run, tmp_path, capsys, how):
+    out = shutil.copytree(small_run, tmp_path / "run")
+    previous, newest = newest_two(out)
+    damage_manifest(newest, how)
+
+    train_in_process(*SMALL, f"output_dir={out}", "resume=auto")
+
+    captured = capsys.readouterr()
+    (warning,) = [line for line in captured.err.splitlines() if "unusable" in line]
+    assert warning.startswith(f"accel-train: warning: checkpoint {newest} is unusable ({DAMAGED_MANIFESTS[how][1]}")
+    assert warning.endswith("; passed over"), warning
+    assert f"resuming from {previous}: step 2" in captured.out
+    assert read_metrics(out, "train")[-1]["step"] == 4  # trained on to the end, beside the damaged folder
+
+
+def test_resume_auto_whose_every_checkpoint_json_is_damaged_stops_in_one_line_rather_than_start_over(
+        small_run, tmp_path, capsys):
+    out = shutil.copytree(small_run, tmp_path / "run")
+    for folder in newest_two(out):
+        damage_manifest(folder, "cut short")
+    metrics = (out / "metrics.jsonl").read_text()
+
+    with pytest.raises(UserError) as refused:
+        train_in_process(*SMALL, f"output_dir={out}", "resume=auto")
+
+    assert str(refused.value) == (f"resume=auto: no loadable checkpoint in {out / 'checkpoints'}; set resume=null to "
+                                  "start from step 0")
+    assert len([line for line in capsys.readouterr().err.splitlines() if "unusable" in line]) == 2
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_eval_and_init_from_of_a_checkpoint_whose_checkpoint_json_is_damaged_refuse_its_weights_in_one_line(
+        small_run, tmp_path):
+    """Its model.safetensors is whole, but nothing vouches for it: the manifest that records its sha256 does not
+    read."""
+    from accel_train import api
+    from accel_train.errors import UnreadableFileError
+
+    out = shutil.copytree(small_run, tmp_path / "run")
+    _, newest = newest_two(out)
+    damage_manifest(newest, "cut short")
+
+    line = (f"checkpoint={newest}: {newest} is a checkpoint whose model.safetensors cannot be checked: its "
+            "checkpoint.json does not read: JSONDecodeError: ")
+    with pytest.raises(UnreadableFileError) as refused:
+        api.evaluate(str(newest))
+    assert str(refused.value).startswith(line) and str(refused.value).endswith("; use another checkpoint of the run")
+    with pytest.raises(UnreadableFileError, match="cannot be checked: its checkpoint.json does not read"):
+        train_in_process(*SMALL, f"model.init_from={newest}", f"output_dir={tmp_path / 'new'}")
+    assert api.evaluate(str(out))["num_samples"] == 10  # the run's own model: no checkpoint, nothing to vouch
+
+
 def test_eval_and_init_from_of_a_checkpoint_whose_weights_were_swapped_refuse_them_in_one_line(small_run, tmp_path):
     """Step 2's weights put in step 4's place: a whole safetensors file of the same size, which only the manifest's
     sha256 tells apart."""

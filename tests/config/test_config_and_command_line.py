@@ -291,3 +291,53 @@ def test_a_listing_piped_into_a_reader_that_left_ends_quietly(command, tmp_path)
     finally:
         os.close(write)
     assert (result.returncode, result.stderr) == (141, ""), result.stderr
+
+
+PATH_KEYS = {"output_dir": "~/runs/fm", "resume": "~/runs/fm/checkpoints/step-00000002", "data.root": "~/data",
+             "data.cache_dir": "~/cache", "model.init_from": "~/runs/old"}
+
+
+def test_a_tilde_in_every_path_key_is_the_home_folder_the_same_in_a_recipe_and_on_the_command_line(
+        tmp_path, monkeypatch):
+    """A shell leaves `~` in most overrides (bash in `data.root=~/data`, sh and zsh in every one): they reach
+    accel-train as typed, as a recipe's `output_dir: ~/runs/fm` does. A URL and resume=auto are left as they are."""
+    import yaml
+
+    from accel_train.config import flatten
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    tree = {"base": "mnist_cnn", "data": {"name": "shards"}}  # data.cache_dir is the shards' cache
+    for key, value in PATH_KEYS.items():
+        section, _, name = key.rpartition(".")
+        (tree.setdefault(section, {}) if section else tree)[name] = value
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(tree))
+    expanded = {key: str(tmp_path / "home" / value.removeprefix("~/")) for key, value in PATH_KEYS.items()}
+
+    from_recipe = flatten(load_config(str(tmp_path / "recipe.yaml")).to_dict())
+    overrides = ["data.name=shards", *(f"{key}={value}" for key, value in PATH_KEYS.items())]
+    from_overrides = flatten(load_config("mnist_cnn", overrides).to_dict())
+
+    assert {key: from_recipe[key] for key in PATH_KEYS} == {key: from_overrides[key] for key in PATH_KEYS} == expanded
+    kept = load_config("mnist_cnn", ["output_dir=s3://bucket/~runs", "resume=auto", "data.root=gs://bucket/~data"])
+    assert (kept.output_dir, kept.resume, kept.data.root) == ("s3://bucket/~runs", "auto", "gs://bucket/~data")
+
+
+def test_a_recipe_with_output_dir_under_tilde_trains_there_and_never_makes_a_folder_named_tilde(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """And the commands' path arguments alike: eval checkpoint=~/..., plot output=~/... (as sh and zsh leave them)."""
+    from support.commands import train_in_process
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipe.yaml").write_text("base: mnist_cnn\noutput_dir: ~/runs/fm\n")
+
+    train_in_process(str(tmp_path / "recipe.yaml"), "data.synthetic=true", "data.train_subset=24",
+                     "data.eval_subset=10", "train.batch_size=12", "train.max_steps=2", "train.plot=false")
+    main(["eval", "checkpoint=~/runs/fm", "data.synthetic=true", "data.eval_subset=10"])
+    main(["plot", str(tmp_path / "home" / "runs" / "fm"), "output=~/curves.png"])
+
+    assert (tmp_path / "home" / "runs" / "fm" / "model.safetensors").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["home", "recipe.yaml"]  # no folder named ~
+    captured = capsys.readouterr()
+    assert f"evaluating {tmp_path / 'home' / 'runs' / 'fm'}" in captured.err and '"num_samples": 10' in captured.out
+    assert (tmp_path / "home" / "curves.png").is_file()

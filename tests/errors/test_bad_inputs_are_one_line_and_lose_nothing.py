@@ -213,27 +213,6 @@ def test_a_refused_run_folder_answers_before_torch_loads(trained):
     assert result.stdout.strip() == "exit 2 torch not loaded", result.stdout + result.stderr
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """mount(size, readonly) -> a folder on a tmpfs of that size; skips where mounting is not allowed."""
-    mounted = []
-
-    def mount(size: str, readonly: bool = False):
-        folder = tmp_path / f"disk{len(mounted)}"
-        folder.mkdir()
-        options = f"size={size}" + (",ro" if readonly else "")
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
-                                text=True)
-        if result.returncode:
-            pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip()}); needs root or CAP_SYS_ADMIN")
-        mounted.append(folder)
-        return folder
-
-    yield mount
-    for folder in mounted:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-
-
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_earlier_checkpoint_survives(small_disk):
     from accel_train.run.checkpoint_files import list_checkpoints
 

@@ -100,5 +100,5 @@ def test_accel_train_photos_makes_the_folder_and_never_writes_over_one_it_did_no
     with pytest.raises(SystemExit) as refused:
         cli.main(["photos", str(tmp_path / "mine")])
     assert refused.value.code == 2 and (tmp_path / "mine" / "cat").is_dir()
-    assert capsys.readouterr().err == (f"accel-train: error: photos: {tmp_path / 'mine'} holds files already, and is "
-                                       "not a folder of photographs this command made; give a new folder\n")
+    assert capsys.readouterr().err == (f"accel-train: error: photos: {tmp_path / 'mine'} holds cat/ and is not a "
+                                       "folder of photographs this command made; give a new folder\n")

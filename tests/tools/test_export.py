@@ -146,3 +146,61 @@ def test_an_export_never_writes_into_a_folder_that_holds_files(runs, tmp_path, c
     assert "output=" in capsys.readouterr().err and (tmp_path / "out" / "mine.txt").read_text() == "keep me"
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["mine.txt"]
 
+
+
+def test_an_export_stages_under_a_name_of_its_own_and_leaves_whatever_else_is_beside_its_output(runs, tmp_path):
+    """A folder named as the export's staging once was (.OUT.partial) is someone's: it stays, and nothing of the
+    export's own staging is left."""
+    (tmp_path / ".vit.partial").mkdir()
+    (tmp_path / ".vit.partial" / "mine.txt").write_text("keep me")
+
+    exported(runs / "hf", tmp_path / "vit")
+
+    assert (tmp_path / ".vit.partial" / "mine.txt").read_text() == "keep me"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".vit.partial", "vit"]
+    assert "config.json" in {path.name for path in (tmp_path / "vit").iterdir()}
+
+
+def test_an_export_through_a_link_to_a_folder_goes_into_the_folder_it_names(runs, tmp_path):
+    """output= a link to an empty folder, and output= a new folder inside a linked one."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+
+    exported(runs / "hf", tmp_path / "link")
+    exported(runs / "hf", tmp_path / "link" / "inside")
+
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "config.json").is_file()
+    assert (tmp_path / "real" / "inside" / "config.json").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "real"]
+
+
+@pytest.mark.parametrize("place, line", [
+    ("file", "export: output={tmp}/file is a file, not a folder; give a new folder"),
+    ("link_to_file", "export: output={tmp}/link_to_file is a link to a file, not a folder; give a new folder"),
+    ("link_to_nothing", "export: output={tmp}/link_to_nothing is a link to {tmp}/gone, which is not there; give a "
+                        "folder"),
+    ("file/sub", "export: output={tmp}/file/sub: {tmp}/file is a file, so no folder can be made below it; give "
+                 "another folder"),
+])
+def test_an_export_where_no_folder_can_be_is_one_line_and_touches_nothing(runs, tmp_path, capsys, place, line):
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "link_to_file").symlink_to(tmp_path / "file")
+    (tmp_path / "link_to_nothing").symlink_to(tmp_path / "gone")
+    before = sorted(tmp_path.rglob("*"))
+
+    with pytest.raises(SystemExit) as refused:
+        exported(runs / "hf", tmp_path / place)
+
+    assert refused.value.code == 2 and capsys.readouterr().err == f"accel-train: error: {line.format(tmp=tmp_path)}\n"
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "file").read_text() == "mine"
+
+
+def test_an_export_into_a_read_only_place_is_one_line_exit_74(runs, small_disk, capsys):
+    disk = small_disk("1m", readonly=True)
+
+    with pytest.raises(SystemExit) as refused:
+        exported(runs / "hf", disk / "vit")
+
+    assert refused.value.code == 74
+    assert capsys.readouterr().err == (f"accel-train: error: cannot write {disk / 'vit'} while exporting the model "
+                                       "(read-only file system); give an output= folder you can write to\n")

@@ -10,6 +10,7 @@ columns are found by type, its classes are its ClassLabel's names, its evaluatio
 neither cached nor reachable is one line, exit 3, leaving nothing behind."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -138,6 +139,67 @@ def test_weights_only_in_a_pickle_load_only_when_allowed(hub, tmp_path):
     config.allow_pickled_weights = True
     loaded = build_model(config, 3, (3, 16, 16), list(COLOURS))
     assert torch.equal(loaded.classifier.weight, load_file(str(hub["vit"] / "model.safetensors"))["classifier.weight"])
+
+
+class RunsCode:
+    """Unpickled, it runs a shell command that creates `marker`."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.floors  # transformers before 4.47 raises OSError from the refusal
+@pytest.mark.parametrize("content, words", [
+    ("a call", "holds a call to posix.system, which torch.load(weights_only=True) refuses; nothing in it was run"),
+    ("garbage", "does not load with torch.load(weights_only=True) ("),
+])
+def test_allowed_pickled_weights_that_weights_only_refuses_are_one_line_naming_the_file_and_nothing_runs(
+        hub, tmp_path, content, words):
+    pickled = only_pickled(hub["vit"], tmp_path / "pickled")
+    marker = tmp_path / "code-ran"
+    weights = pickled / "pytorch_model.bin"
+    if content == "a call":
+        torch.save({**torch.load(weights), "extra": RunsCode(marker)}, weights)
+    else:
+        weights.write_bytes(b"\x80\x02garbage" * 64)
+    config = load_config("imagefolder", [f"model.name=hf:{pickled}", "model.pretrained=true",
+                                         "model.allow_pickled_weights=true"]).model
+
+    with pytest.raises(DataNotFoundError) as refused:
+        build_model(config, 3, (3, 16, 16), list(COLOURS))
+
+    assert str(refused.value).startswith(f"model.name=hf:{pickled}: {weights} {words}")
+    assert str(refused.value).endswith("; use a repository with safetensors weights, or convert these to safetensors "
+                                       "where you trust their source") and "\n" not in str(refused.value)
+    assert not marker.exists()
+
+
+@pytest.mark.floors  # datasets before 4 runs a loading script (with trust_remote_code)
+@pytest.mark.parametrize("given, exit_type, words", [
+    ("folder", DataNotFoundError, "data.name=hf:{data}: {data}/scripted.py is a dataset loading script, which "
+                                  "accel-train never runs"),
+    ("script", DataNotFoundError, "data.name=hf:{data}/scripted.py: {data}/scripted.py is a dataset loading script"),
+    ("trust_remote_code", UserError, "data.args.trust_remote_code: a dataset's loading script never runs in "
+                                     "accel-train"),
+])
+def test_a_dataset_loading_script_never_runs_and_is_one_line(hub, tmp_path, given, exit_type, words):
+    """A folder of parquet files beside a script named as the folder, which datasets takes for the dataset's."""
+    data = shutil.copytree(hub["parquet"], tmp_path / "scripted")
+    marker = tmp_path / "code-ran"
+    (data / "scripted.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    name = {"folder": f"data.name=hf:{data}", "script": f"data.name=hf:{data / 'scripted.py'}",
+            "trust_remote_code": f"data.name=hf:{data}"}[given]
+    extra = ["data.args.trust_remote_code=true"] if given == "trust_remote_code" else []
+
+    with pytest.raises(UserError) as refused:
+        build_dataset(load_config("imagefolder", [name, *extra]).data, train=True)
+
+    assert type(refused.value) is exit_type and str(refused.value).startswith(words.format(data=data)), \
+        str(refused.value)
+    assert "\n" not in str(refused.value) and not marker.exists()
 
 
 @pytest.mark.floors
