@@ -375,7 +375,8 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
     from tqdm.auto import tqdm
 
     done = sorted(name for name in store.names(f"{source.split}/{WRITTEN}") if name.endswith(".json"))
-    shards = [Shard.from_dict(json.loads(store.read(f"{source.split}/{WRITTEN}/{name}"))) for name in done]
+    shards = [_recorded(store, f"{source.split}/{WRITTEN}/{name}", lambda data: Shard.from_dict(json.loads(data)))
+              for name in done]
     first = sum(shard.samples for shard in shards)
     sizes, pending, pending_bytes = set(), [], 0
 
