@@ -16,9 +16,9 @@ from torch.utils.data import Dataset, Subset
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-from accel_train.config import DataConfig
+from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
 from accel_train.data.classes import labelled_by
-from accel_train.data.decode import Crops, decode_image_bytes, shrunk
+from accel_train.data.decode import Crops, decode_image_bytes, decoded, open_image, shrunk
 from accel_train.data.imagefolder import (
     augments,
     crop_region_transform,
@@ -100,11 +100,14 @@ def eval_split(store: Store) -> tuple[str, SplitIndex]:
 
 class ShardSamples(Dataset):
     """A split's samples by id (ids count through the shards in the index's order), each read from its block in this
-    node's cache and decoded; `transform` turns the decoded image into the model's input, as `transform` of
-    torchvision's datasets does (the validation split swaps it for the test split's)."""
+    node's cache and decoded (an image no larger than `max_pixels`: data.max_image_pixels); `transform` turns the
+    decoded image into the model's input, as `transform` of torchvision's datasets does (the validation split swaps
+    it for the test split's)."""
 
-    def __init__(self, index: SplitIndex, split: str, cache: BlockCache, transform, image_mode: str | None) -> None:
+    def __init__(self, index: SplitIndex, split: str, cache: BlockCache, transform, image_mode: str | None,
+                 max_pixels: int | None = MAX_IMAGE_PIXELS) -> None:
         self.index, self.split, self.cache, self.transform, self.image_mode = index, split, cache, transform, image_mode
+        self.max_pixels = max_pixels
         self.starts = index.shard_starts()
 
     def __len__(self) -> int:
@@ -152,10 +155,11 @@ class ShardSamples(Dataset):
         if RAW_PIXELS in members:  # nothing to decode (the copy: a tensor of its own, writable)
             inputs = torch.from_numpy(self._parsed(sample, RAW_PIXELS, pixels_of, members).copy())
         elif found is not None and self.index.transforms == "imagefolder":  # straight into a tensor, as ImageFolder
-            inputs = decode_image_bytes(members[found], SampleName(self, sample, found), "shards")
+            inputs = decode_image_bytes(members[found], SampleName(self, sample, found), "shards", self.max_pixels)
         elif found is not None:
-            image = Image.open(io.BytesIO(members[found]))
-            inputs = image.convert(self.image_mode) if self.image_mode else image
+            name = SampleName(self, sample, found)
+            inputs = decoded(open_image(members[found], name, "shards", self.max_pixels), name, "shards",
+                             self.image_mode)
         elif "npy" in members:
             inputs = torch.from_numpy(self._parsed(sample, "npy", _array, members))
         else:
@@ -338,7 +342,8 @@ def _labelled(data: Data, store: Store, split: str, classes: list[str] | None) -
 
 def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
     """A split's samples as the model reads them: transformed, limited by data.train_subset / data.eval_subset."""
-    dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
+    dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index),
+                           cfg.max_image_pixels)
     dataset.augments_on_device = augments_on_device(cfg, index, train)  # the loader adds each sample's key
     dataset.collate_fn = Crops.collate if crops_on_device(cfg, index, train) else None  # crops differ in size
     dataset.draws_from = augment_draws(index.transforms != "as_written" and augments(cfg, train) and
