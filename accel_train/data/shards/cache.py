@@ -46,9 +46,11 @@ class BlockCache:
         return {**self.__dict__, "_mapped": OrderedDict(), "_mapped_bytes": 0}  # a worker maps blocks of its own
 
     def block_path(self, sha256: str) -> Path:
-        """Where the block of `sha256` lives in the cache. Only a sha256's hex digits name a file here, and the path is
-        held inside the folder as well: an index read by read_index has its hashes checked already, but the cache
-        keeps its own promise (nothing outside its folder read, touched or written) whoever made the Shard."""
+        """Where the block of `sha256` lives in the cache: built only from a checked hash (64 lowercase hex digits name
+        a block here), and held inside the folder anyway. read_index checks an index's hashes already, where its line
+        can name the shard; the cache checks again to keep its own promise (nothing outside its folder read, touched
+        or written) for whoever made the Shard, and the inside check states that promise itself rather than leaving
+        it to follow from the rule for names."""
         if not is_sha256(sha256):
             raise DataNotFoundError(f"data.cache_dir: a shard block's sha256 {sha256!r} is not 64 lowercase hex "
                                     "digits; its index is damaged: write the shards again with accel-train shard")
