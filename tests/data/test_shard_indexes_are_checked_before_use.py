@@ -78,9 +78,11 @@ def test_a_block_hash_that_names_a_file_outside_the_cache_is_one_line_and_no_fil
     index = read_index(Store(str(written)), "train")
     shard = index.shards[0]
     unchecked = Shard(shard.name, shard.bytes, shard.sha256, shard.offsets, shard.end, [(0, outside)])
-    with pytest.raises(DataNotFoundError, match="is not 64 lowercase hex digits"):
+    with pytest.raises(DataNotFoundError) as refused:
         BlockCache(Store(root), cache, 10**9).read_sample(unchecked, "train", 0)
-    assert victim.stat().st_mtime == 1_000_000_000
+    assert str(refused.value).startswith("data.cache_dir: a shard block's sha256 '../../victim' is not 64 lowercase "
+                                         "hex digits")
+    assert victim.stat().st_mtime == 1_000_000_000 and victim.read_bytes() == b"not a block" * 1000
 
 
 def set_block_field(block: int, position: int, value):
