@@ -140,6 +140,24 @@ def test_every_decode_path_reads_an_image_at_the_limit_and_refuses_one_a_pixel_o
     assert refused.value.exit_code == 3 and "\n" not in line
 
 
+def test_shards_of_the_registrys_images_stored_as_png_are_held_to_the_key_as_pil_opens_them(tmp_path):
+    """Their samples are PIL images, as the registry's datasets give them: their PNGs opened by PIL, not decoded into
+    tensors."""
+    cfg = load_config("mnist_cnn", ["data.synthetic=true", "data.train_subset=4", "data.eval_subset=2"]).data
+    write_shards(cfg, str(tmp_path / "shards"), images="as_given")
+
+    def first(limit: int):
+        data = DataConfig(name="shards", root=str(tmp_path / "shards"), cache_dir=str(tmp_path / "cache"),
+                          max_image_pixels=limit)
+        return build_dataset(data, train=True).dataset[0]
+
+    assert first(28 * 28)[0].shape == (1, 28, 28)
+    with pytest.raises(UnreadableFileError) as refused:
+        first(28 * 28 - 1)
+    assert str(refused.value).startswith(f"shards: {tmp_path / 'shards'}/train/shard-000000.tar (sample 0, .png) "
+                                         "declares 28 x 28 pixels, more than data.max_image_pixels=783: not decoded")
+
+
 def test_the_limit_is_pils_own_by_default_a_key_with_its_meaning_and_pils_setting_stays_as_it_was(tmp_path):
     assert MAX_IMAGE_PIXELS == DataConfig().max_image_pixels == Image.MAX_IMAGE_PIXELS
     (described,) = [help for key, _, help, _ in describe_keys() if key == "data.max_image_pixels"]
