@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Subset
 
-from accel_train.config import DataConfig
+from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
 from accel_train.console import bar_disabled
 from accel_train.data.decode import decode_image_bytes, open_image, shrunk, unreadable_image
 from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, own_validation_folder
@@ -100,7 +100,7 @@ class ImageStorage:
             return {"jpg": buffer.getvalue()}
         return {"png": _png(pil_image(pixels))}
 
-    def of_file(self, data: bytes, extension: str, name: str, max_pixels: int) -> dict[str, bytes]:
+    def of_file(self, data: bytes, extension: str, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict[str, bytes]:
         """An image file's bytes as the image member of a sample: as they are, or decoded (RGB, where no larger than
         `max_pixels`) and stored anew."""
         if self.images == "as_given":  # the file's own bytes: no second compression
@@ -373,7 +373,7 @@ def _differences(before: dict, now: dict) -> str:
 
 
 def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes: int, block_bytes: int,
-                 max_pixels: int) -> SplitIndex:
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> SplitIndex:
     """The split's shards and index; an image whose header declares more than `max_pixels` refused (images as given
     are not decoded here, but training would refuse them)."""
     from tqdm.auto import tqdm
