@@ -153,7 +153,8 @@ def open_image(data: bytes, name: str, reader: str, max_pixels: int | None):
 def _opened_by_pil(data: bytes):
     """PIL's image of `data`, only its header read. PIL's own pixel check is lifted for that read: it refuses at
     twice its limit before it says the size, and data.max_image_pixels may be above it; check_pixels holds the size
-    to the key instead, before anything decodes."""
+    to the key instead, before anything decodes. (PIL's limit is the process's: code of one's own that opens an
+    image through PIL in another thread at that moment is not held to it.)"""
     from PIL import Image
 
     with _PIL_LIMIT:
@@ -166,7 +167,7 @@ def _opened_by_pil(data: bytes):
 
 def check_pixels(size: tuple[int, int], name, reader: str, max_pixels: int | None) -> None:
     """One line naming the image, where `size` (width, height: what its header declares) has more pixels than
-    `max_pixels` (data.max_image_pixels; None: no limit). Refused at the limit itself, where PIL only warns (up to
+    `max_pixels` (data.max_image_pixels; None: no limit). Refused just above the limit, where PIL only warns (up to
     twice it): a warning from a DataLoader worker scrolls by while the memory goes."""
     width, height = size
     if max_pixels is not None and width * height > max_pixels:
