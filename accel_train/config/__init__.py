@@ -5,6 +5,7 @@ from accel_train.config.compatibility import MEANING_KEYS, contradictions, refus
 from accel_train.config.overrides import flatten, spelled
 from accel_train.config.recipes import CONFIG_FILE, RECIPES_DIR, list_recipes, load_config, save_config
 from accel_train.config.schema import (
+    MAX_IMAGE_PIXELS,
     SHARD_ORDER_KEYS,
     CheckpointConfig,
     Config,
@@ -15,6 +16,6 @@ from accel_train.config.schema import (
     describe_keys,
 )
 
-__all__ = ["CONFIG_FILE", "MEANING_KEYS", "RECIPES_DIR", "SHARD_ORDER_KEYS", "CheckpointConfig", "Config",
-           "DataConfig", "ModelConfig", "PredictConfig", "TrainConfig", "contradictions", "describe_keys", "flatten",
-           "list_recipes", "load_config", "refuse_contradictions", "save_config", "spelled"]
+__all__ = ["CONFIG_FILE", "MAX_IMAGE_PIXELS", "MEANING_KEYS", "RECIPES_DIR", "SHARD_ORDER_KEYS", "CheckpointConfig",
+           "Config", "DataConfig", "ModelConfig", "PredictConfig", "TrainConfig", "contradictions", "describe_keys",
+           "flatten", "list_recipes", "load_config", "refuse_contradictions", "save_config", "spelled"]

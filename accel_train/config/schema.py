@@ -39,6 +39,11 @@ OPEN_UNIT = Range(lambda value: 0 < value < 1, "must be between 0 and 1 (e.g. 0.
 BELOW_ONE = Range(lambda value: value < 1, "must be below 1")
 
 
+# PIL's Image.MAX_IMAGE_PIXELS (1024 ** 3 // 4 // 3: a quarter of a GiB of 3-byte pixels), written out so that the
+# schema stays free of image libraries; a test holds it to PIL's own
+MAX_IMAGE_PIXELS = 89_478_485
+
+
 def doc(text: str, within: Range | tuple[Range, ...] = (), path: bool = False, **kwargs: Any) -> Any:
     """A field with a one-line description (shown in errors and `accel-train keys`), the ranges its values keep, and
     whether it is a path (`~` expanded: expand_paths)."""
@@ -122,6 +127,10 @@ class DataConfig:
                                 path=True)
     cache_gb: float = doc("data.name=shards: the most the cache keeps, in GB; the least recently used blocks go first",
                           default=50.0, within=POSITIVE)
+    max_image_pixels: int = doc("image files (imagefolder, hf:, shards, accel-train shard, predict, bench --input): "
+                                "the most pixels (width x height) an image's header may declare; a larger one is "
+                                "refused in one line before it is decoded (a decompression bomb) (default: PIL's "
+                                "Image.MAX_IMAGE_PIXELS)", default=MAX_IMAGE_PIXELS, within=POSITIVE)
     store_patience_s: float = doc("data.name=shards: how long reads retry a store that does not answer (or answers "
                                   "wrong bytes) before the run stops with exit 3", default=60.0, within=POSITIVE)
     on_device: bool = doc("MNIST family, CIFAR-10, STL-10: keep uint8 tensors on the training device and augment whole "

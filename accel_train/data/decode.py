@@ -3,7 +3,9 @@
 JPEG, PNG, WebP and GIF go through TorchCodec's image decoders where it is installed (accel-train[images]; it needs
 torch >= 2.11), else through torchvision.io's, which torchvision 0.29 deprecates for TorchCodec's: both libjpeg-turbo
 and libpng into a tensor, without PIL's image object and its copy. Other formats, and both missing, go through PIL.
-The pixels are the same either way (libjpeg-turbo at its default settings). A damaged file is one line naming it.
+The pixels are the same either way (libjpeg-turbo at its default settings). A damaged file is one line naming it;
+so is one whose header declares more pixels than data.max_image_pixels (a decompression bomb), refused before any
+decoder runs.
 With data.decode=scaled an ImageFolder's JPEGs are read as EncodedJpeg (bytes and header size) and decoded by the
 transform at a DCT scale of 1/2, 1/4 or 1/8 through simplejpeg (decoded_at), where the crop needs no more pixels.
 Samples stay uint8 through their transforms, the collation and the copy to the device (a quarter of the bytes of
@@ -13,38 +15,55 @@ float32); `ImagesToModelInput` scales and normalises whole batches there.
 from __future__ import annotations
 
 import functools
+import io
 import re
+import threading
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from accel_train.config import MAX_IMAGE_PIXELS
 from accel_train.errors import UnreadableFileError
 
 # The first bytes of the formats decoded into tensors: JPEG, PNG, GIF, and WebP (RIFF....WEBP)
 _DECODED_TO_TENSORS = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
 # What to do about an unreadable image, by what read it: a dataset's file, the shard writer's, a shard's sample
 _WHAT_TO_DO = {"imagefolder": "delete or replace that file", "shard": "delete or replace that file",
-               "shards": "replace that image in the source and write the shards again"}
+               "shards": "replace that image in the source and write the shards again",
+               "hf": "replace that image in the dataset", "predict": "leave that file out of input=",
+               "shard index": "replace that image in the tar, or remove the tar"}
+_PNG = b"\x89PNG\r\n\x1a\n"
+# PIL's pixel limit is one setting of the process: a header read that lifts it holds this lock (the others wait)
+_PIL_LIMIT = threading.Lock()
 _DECODER_ERROR = re.compile(r"^\w+, \S+:\d+, ")  # "decode_jpeg, .../decode_jpeg.cpp:171, " before the message
 
 
-def read_image(path: str, reader: str = "imagefolder") -> torch.Tensor:
-    """The image file at `path` as uint8 (3, H, W) RGB; one line naming it where it cannot be read (from a DataLoader
-    worker too). The line starts with `reader`, what the user asked to read it (a dataset, or predict)."""
+def read_image(path: str, reader: str = "imagefolder", max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tensor:
+    """The image file at `path` as uint8 (3, H, W) RGB; one line naming it where it cannot be read or declares more
+    than `max_pixels` (from a DataLoader worker too). The line starts with `reader`, what the user asked to read it
+    (a dataset, or predict)."""
+    return decode_image_bytes(_file_bytes(path, reader), path, reader, max_pixels)
+
+
+def _file_bytes(path: str, reader: str) -> bytes:
     try:
         with open(path, "rb") as file:
-            data = file.read()
+            return file.read()
     except OSError as err:
         raise unreadable_image(path, reader, err.strerror or str(err)) from None
-    return decode_image_bytes(data, path, reader)
 
 
-def decode_image_bytes(data: bytes, name: str, reader: str = "imagefolder") -> torch.Tensor:
-    """Encoded image bytes as uint8 (3, H, W) RGB; `name` says where they came from in the line of a damaged one."""
+def decode_image_bytes(data: bytes, name: str, reader: str = "imagefolder",
+                       max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tensor:
+    """Encoded image bytes as uint8 (3, H, W) RGB, once their header's size is held to `max_pixels`
+    (data.max_image_pixels); `name` says where they came from in the line of a damaged or too large one."""
     decode = _tensor_decoder()
     if decode is None or not (data.startswith(_DECODED_TO_TENSORS) or data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
-        return _decoded_by_pil(data, name, reader)
+        return _decoded_by_pil(data, name, reader, max_pixels)
+    size = declared_size(data)
+    if size is not None:  # else no header reader knows the bytes, and the decoder says what is wrong with them
+        check_pixels(size, name, reader, max_pixels)
     try:
         image = decode(data)
     except RuntimeError as err:
@@ -77,18 +96,87 @@ def _tensor_decoder():
     return lambda data: decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
-def _decoded_by_pil(data: bytes, name: str, reader: str) -> torch.Tensor:
+def _decoded_by_pil(data: bytes, name: str, reader: str, max_pixels: int | None) -> torch.Tensor:
     """BMP, TIFF, PPM and the rest: PIL's decoder, then its pixels as a tensor (torchvision.io reads none of them)."""
-    import io
-
-    from PIL import Image
     from torchvision.transforms.v2 import functional
 
+    with open_image(data, name, reader, max_pixels) as image:
+        return functional.pil_to_tensor(decoded(image, name, reader))
+
+
+def decoded(image, name, reader: str, mode: str | None = "RGB"):
+    """A PIL image (open_image's) decoded, in `mode` (RGB, as torchvision's loader gives it; None: its own); one line
+    where it is damaged."""
+    from PIL import Image
+
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            return functional.pil_to_tensor(image.convert("RGB"))
+        if mode is None:
+            image.load()
+            return image
+        return image.convert(mode)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise unreadable_image(name, reader, str(err)) from None
+
+
+def declared_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) as an encoded image's header declares them, read before anything decodes; None where no
+    header reader knows the bytes."""
+    if data.startswith(_PNG) and data[12:16] == b"IHDR":
+        # PNG's first chunk by its standard, read here: PIL's header read (26 us) costs more than libpng's whole
+        # decode of a 28 px PNG (17 us)
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    simplejpeg = scaling_decoder()
+    if simplejpeg is not None and data.startswith(b"\xff\xd8\xff"):
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            return width, height
+        except ValueError:
+            pass  # PIL's reader may know it
+    try:
+        with _opened_by_pil(data) as image:
+            return image.size
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def open_image(data: bytes, name: str, reader: str, max_pixels: int | None):
+    """PIL's image of encoded `data`, its header read (nothing decoded yet) and its size held to `max_pixels`
+    (None: no limit, for a read of the size alone); one line naming it where PIL cannot read it, or it is larger."""
+    try:
+        image = _opened_by_pil(data)
+    except (OSError, SyntaxError, ValueError) as err:
+        raise unreadable_image(name, reader, str(err)) from None
+    check_pixels(image.size, name, reader, max_pixels)
+    return image
+
+
+def _opened_by_pil(data: bytes):
+    """PIL's image of `data`, only its header read. PIL's own pixel check is lifted for that read: it refuses at
+    twice its limit before it says the size, and data.max_image_pixels may be above it; check_pixels holds the size
+    to the key instead, before anything decodes. (PIL's limit is the process's: code of one's own that opens an
+    image through PIL in another thread at that moment is not held to it.)"""
+    from PIL import Image
+
+    with _PIL_LIMIT:
+        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            return Image.open(io.BytesIO(data))
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+
+
+def check_pixels(size: tuple[int, int], name, reader: str, max_pixels: int | None) -> None:
+    """One line naming the image, where `size` (width, height: what its header declares) has more pixels than
+    `max_pixels` (data.max_image_pixels; None: no limit). Refused just above the limit, where PIL only warns (up to
+    twice it): a warning from a DataLoader worker scrolls by while the memory goes."""
+    width, height = size
+    if max_pixels is not None and width * height > max_pixels:
+        what = _WHAT_TO_DO.get(reader, "give image files only")
+        memory = f" ({3 * width * height / 1e9:.1f} GB decoded as RGB)" if 3 * width * height >= 1e8 else ""
+        raise UnreadableFileError(
+            f"{reader}: {name} declares {width:,} x {height:,} pixels{memory}, more than data.max_image_pixels="
+            f"{max_pixels}: not decoded (a decompression bomb?); {what}, or raise data.max_image_pixels if it is meant "
+            "to be that large")
 
 
 # libjpeg-turbo's DCT scales that decode faster than full size: its SIMD code has 1/2, 1/4 and 1/8, not 7/8 or 3/4
@@ -110,16 +198,18 @@ class EncodedJpeg:
     width: int
 
 
-def read_encoded(path: str, reader: str = "imagefolder") -> EncodedJpeg | torch.Tensor:
+def read_encoded(path: str, reader: str = "imagefolder",
+                 max_pixels: int | None = MAX_IMAGE_PIXELS) -> EncodedJpeg | torch.Tensor:
     """ImageFolder's loader with data.decode=scaled: a JPEG that can be decoded at a DCT scale as EncodedJpeg (its
-    bytes and header size, decoded by the transform); any other file decoded at full size as read_image does."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read()
-    except OSError as err:
-        raise unreadable_image(path, reader, err.strerror or str(err)) from None
+    bytes and header size, decoded by the transform); any other file decoded at full size as read_image does. Either
+    way its header's size is held to `max_pixels` first."""
+    data = _file_bytes(path, reader)
     size = _scalable_jpeg_size(data)
-    return decode_image_bytes(data, path, reader) if size is None else EncodedJpeg(data, path, reader, *size)
+    if size is None:
+        return decode_image_bytes(data, path, reader, max_pixels)
+    height, width = size
+    check_pixels((width, height), path, reader, max_pixels)
+    return EncodedJpeg(data, path, reader, height, width)
 
 
 def _scalable_jpeg_size(data: bytes) -> tuple[int, int] | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, Subset
 
-from accel_train.config import DataConfig
+from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
 from accel_train.config.schema import expand_home
 from accel_train.data.classes import labelled_by
 from accel_train.data.decode import decode_image_bytes
@@ -160,14 +160,17 @@ def columns(cfg: DataConfig, split) -> tuple[str, str | None]:
 
 
 class HubImages(Dataset):
-    """A split's (image, label) samples: the image from the Arrow bytes into a uint8 tensor, then `transform`."""
+    """A split's (image, label) samples: the image from the Arrow bytes into a uint8 tensor (no larger than
+    `max_pixels`: datasets' own decoding, through PIL, is turned off), then `transform`."""
 
-    def __init__(self, split, image_column: str, label_column: str, transform, name: str) -> None:
+    def __init__(self, split, image_column: str, label_column: str, transform, name: str,
+                 max_pixels: int | None = MAX_IMAGE_PIXELS) -> None:
         import datasets
 
         self.rows = split.select_columns([image_column, label_column]).cast_column(image_column,
                                                                                    datasets.Image(decode=False))
         self.image_column, self.label_column, self.transform, self.name = image_column, label_column, transform, name
+        self.max_pixels = max_pixels
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -188,7 +191,7 @@ class HubImages(Dataset):
 
     def __getitem__(self, index: int):
         data, name = self.encoded(index)
-        image = decode_image_bytes(data, name, "hf")
+        image = decode_image_bytes(data, name, "hf", self.max_pixels)
         return (self.transform(image) if self.transform is not None else image), self.label(index)
 
 
@@ -205,7 +208,8 @@ def hub_dataset(cfg: DataConfig, train: bool, classes: list[str] | None = None) 
     names = class_names(rows, label)
     size = cfg.image_size or 224
     split_name = cfg.train_split if train or evaluated is None else evaluated
-    dataset = HubImages(rows, image, label, imagefolder_transform(cfg, train), f"{cfg.name} {split_name}")
+    dataset = HubImages(rows, image, label, imagefolder_transform(cfg, train), f"{cfg.name} {split_name}",
+                        cfg.max_image_pixels)
     dataset.draws_from = augment_draws(augments(cfg, train))  # KeyedSamples seeds what they draw from
     if evaluated is None:  # no evaluation split: data.val_fraction of the training split is held out for it
         held, kept = held_out(len(train_rows), cfg.val_fraction)

@@ -17,13 +17,15 @@ from torch.utils.data import Subset
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-from accel_train.config import DataConfig
+from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
 from accel_train.data.classes import label_indices
 from accel_train.data.decode import (
     DCT_FACTORS,
     EncodedJpeg,
     ImagesToModelInput,
+    decoded,
     decoded_at,
+    open_image,
     read_encoded,
     read_image,
     scaling_decoder,
@@ -105,7 +107,8 @@ def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | N
                      classes: list[str] | None = None) -> Data:
     """An ImageFolder split; `classes`: the run's class names, which its labels index (None: its own folders')."""
     size = cfg.image_size or 224
-    loader = read_encoded if decodes_scaled(cfg) else read_image  # JPEGs decoded by the transform, at their scale
+    # JPEGs decoded by the transform, at their scale; either way no file larger than data.max_image_pixels decoded
+    loader = functools.partial(read_encoded if decodes_scaled(cfg) else read_image, max_pixels=cfg.max_image_pixels)
     try:
         if classes is None:
             dataset = torchvision.datasets.ImageFolder(str(split_dir), transform=transform, loader=loader)
@@ -274,13 +277,16 @@ def imagefolder_finish(cfg: DataConfig, normalization: tuple | None = None) -> I
                               cfg.interpolation or "bilinear")
 
 
-def load_image(path: str, reader: str = "imagefolder") -> Image.Image:
-    """torchvision's loader, with a damaged file named in one line (from a DataLoader worker too); the line starts
-    with `reader`, what the user asked to read it (a dataset, or predict)."""
+def load_image(path: str, reader: str = "imagefolder", max_pixels: int | None = MAX_IMAGE_PIXELS) -> Image.Image:
+    """The image file at `path` as an RGB PIL image, as torchvision's loader gives it, once its header's size is held
+    to `max_pixels` (data.max_image_pixels); a damaged or larger file named in one line (from a DataLoader worker
+    too). The line starts with `reader`, what the user asked to read it (a dataset, or predict)."""
     try:
-        return torchvision.datasets.folder.default_loader(path)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise unreadable_image(path, reader, str(err)) from None
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise unreadable_image(path, reader, err.strerror or str(err)) from None
+    with open_image(data, path, reader, max_pixels) as image:
+        return decoded(image, path, reader)
 
 
 def _imagefolder_split(root: Path, train: bool) -> Path:

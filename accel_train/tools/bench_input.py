@@ -86,6 +86,8 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
 
     resize = evaluation_resize(data)  # the evaluation transform's: shrunk to it, evaluation sees the tree's pixels
     stored = {"as_given": shards_at, "jpeg": out / f"shards_jpeg_{resize}", "raw": out / f"shards_raw_{resize}"}
+    # the first write reads every file of the rows and refuses one larger than data.max_image_pixels before any row
+    # decodes (torchvision's and webdataset's rows decode through PIL, which refuses only at twice its own limit)
     for images, at in stored.items():
         started = time.perf_counter()
         shutil.rmtree(at, ignore_errors=True)  # written again: a rerun's check would not see the folder change
@@ -99,7 +101,8 @@ def run_input_bench(recipe: str, overrides: list[str], batches: int | None, dema
         shards = dataclasses.replace(data, name="shards", root=str(shards_at), cache_dir=cache)
         ways = [  # (row, its loader at N workers, whether a pass fills a cache before the row is timed)
             (f"decoding alone ({decoder_name()}, no transform): the limit",
-             lambda workers: plain_loader(DecodeOnly(files), batch, workers, device, count_only=True), False),
+             lambda workers: plain_loader(DecodeOnly(files, data.max_image_pixels), batch, workers, device,
+                                          count_only=True), False),
             ("torchvision's recipe: ImageFolder, PIL, transforms v2, Normalize on the CPU",
              lambda workers: plain_loader(torchvision_imagefolder(data.root, recipe_transform), batch, workers,
                                           device), False),
@@ -169,10 +172,11 @@ def torchvision_imagefolder(root: str, transform):
 
 
 class DecodeOnly(torch.utils.data.Dataset):
-    """Each file read and decoded to a uint8 tensor by accel-train's decoder (data/decode.py), nothing else."""
+    """Each file read and decoded to a uint8 tensor by accel-train's decoder (data/decode.py), nothing else (none
+    larger than `max_pixels`, data.max_image_pixels)."""
 
-    def __init__(self, files: list[str]) -> None:
-        self.files = files
+    def __init__(self, files: list[str], max_pixels: int) -> None:
+        self.files, self.max_pixels = files, max_pixels
 
     def __len__(self) -> int:
         return len(self.files)
@@ -180,7 +184,7 @@ class DecodeOnly(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         from accel_train.data.decode import read_image
 
-        return read_image(self.files[index])
+        return read_image(self.files[index], max_pixels=self.max_pixels)
 
 
 def _count(samples) -> tuple[torch.Tensor, None]:

@@ -52,8 +52,8 @@ class ImageFiles(Dataset):
     process runs full batches of predict.batch_size, and each file is in the same batch, at the same place, at any
     world size: a batch of another shape may run other kernels, whose last bits differ."""
 
-    def __init__(self, files: list[Path], convert, global_batch: int) -> None:
-        self.files, self.convert = files, convert
+    def __init__(self, files: list[Path], convert, global_batch: int, max_pixels: int) -> None:
+        self.files, self.convert, self.max_pixels = files, convert, max_pixels
         self.length = -(-len(files) // global_batch) * global_batch
 
     def __len__(self) -> int:
@@ -61,7 +61,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int):
         padding = index >= len(self.files)
-        image = self.convert(load_image(str(self.files[-1 if padding else index]), reader="predict"))
+        image = self.convert(load_image(str(self.files[-1 if padding else index]), "predict", self.max_pixels))
         return image, -1 if padding else index
 
 
@@ -78,7 +78,7 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
     classes = class_names(checkpoint, config.data.num_classes)
     files = find_images(inputs)
     if shape is None:  # a user's transform: the shape of what it makes of the first file
-        shape = tuple(convert(load_image(str(files[0]), reader="predict")).shape)
+        shape = tuple(convert(load_image(str(files[0]), "predict", config.data.max_image_pixels)).shape)
     state = read_weights(weights)
     set_numerics(config.train.deterministic, config.train.tf32)  # as the run trained
     accelerator = make_accelerator(config.seed)
@@ -87,8 +87,8 @@ def predict(config: Config, checkpoint: str, inputs: str, output: str | None = N
     model = load_weights(model if model is not None else task.build_model(config, data), state, checkpoint,
                          f"model.name={config.model.name} on {config.data.name}")
     global_batch = config.predict.batch_size * accelerator.num_processes
-    loader = make_loader(Data(ImageFiles(files, convert, global_batch), len(classes), shape), config.data, global_batch,
-                         False, accelerator.device)
+    loader = make_loader(Data(ImageFiles(files, convert, global_batch, config.data.max_image_pixels), len(classes),
+                              shape), config.data, global_batch, False, accelerator.device)
     model, loader = accelerator.prepare(model, loader)
     model.eval()
     found: dict[int, tuple[list[int], list[float]]] = {}

@@ -686,6 +686,66 @@ MUTATIONS = [
              "    except (OSError, ValueError, pickle.UnpicklingError) as err:",
              "    except (OSError, ValueError) as err:",
              ("tests/workloads/test_hub_models_and_datasets.py::test_allowed_pickled_weights_that_weights_only_refuses_are_one_line_naming_the_file_and_nothing_runs",)),
+    # Issue 66, item 5: a shard index is checked before use, where it is read (format.py, Shard.check) and where a
+    # sample is read (sample_members); the cache builds its paths from checked hashes only.
+    Mutation("a shard index used unchecked (a block hash such as ../../victim taken for a file name)",
+             "accel_train/data/shards/format.py", "        shard.check()\n        return shard", "        return shard",
+             ("tests/data/test_shard_indexes_are_checked_before_use.py::-k "
+              "names_a_file_outside_the_cache or an_index_that_cannot_describe_its_tar",)),
+    Mutation("the block cache builds a block's path from any hash (its own checks dropped)",
+             "accel_train/data/shards/cache.py",
+             "        if not is_sha256(sha256):",  # an early return: neither the name rule nor the inside check
+             '        return self.folder / "blocks" / sha256[:2] / sha256\n        if not is_sha256(sha256):',
+             ("tests/data/test_shard_indexes_are_checked_before_use.py::"
+              "test_a_block_hash_that_names_a_file_outside_the_cache_is_one_line_and_no_file_outside_is_read_or_touched",)),
+    Mutation("a sample's bytes not held to one key (an offset missing from the index gives the next sample's bytes)",
+             "accel_train/data/shards/format.py",
+             "    if parts is not None and key is not None and parts[0] != key:",
+             "    if False:",
+             ("tests/data/test_shard_indexes_are_checked_before_use.py::test_an_offset_removed_or_moved_stops_the_samples_it_touches_in_one_line_and_never_gives_another_samples_bytes[removed]",)),
+    Mutation("an .npy member that np.load refuses (an object array) left to raise its traceback",
+             "accel_train/data/shards/dataset.py",
+             "            return parse(members[extension])\n        except ValueError as err:",
+             "            return parse(members[extension])\n        except KeyError as err:",
+             ("tests/data/test_shard_indexes_are_checked_before_use.py::test_an_npy_member_holding_an_object_array_is_one_line_naming_the_shard_and_the_sample",)),
+    # Issue 66, item 6: data.max_image_pixels, held on every path that decodes image files, from the header.
+    Mutation("an image's declared size not held to data.max_image_pixels (a PNG bomb decoded)",
+             "accel_train/data/decode.py", "    if max_pixels is not None and width * height > max_pixels:",
+             "    if False:",
+             ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::test_a_png_bomb_in_an_image_folder_stops_training_in_one_line_and_is_never_decoded",
+              "tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::test_every_decode_path_reads_an_image_at_the_limit_and_refuses_one_a_pixel_over_naming_it_and_the_key")),
+    Mutation("ImageFolder's loader reads the default limit, not data.max_image_pixels",
+             "accel_train/data/imagefolder.py", "else read_image, max_pixels=cfg.max_image_pixels)",
+             "else read_image, max_pixels=MAX_IMAGE_PIXELS)",
+             ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::-k "
+              "every_decode_path and imagefolder",)),
+    Mutation("an hf: dataset's images decoded under the default limit, not data.max_image_pixels",
+             "accel_train/data/hub.py", 'decode_image_bytes(data, name, "hf", self.max_pixels)',
+             'decode_image_bytes(data, name, "hf")',
+             ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::"
+              "test_every_decode_path_reads_an_image_at_the_limit_and_refuses_one_a_pixel_over_naming_it_and_the_key"
+              "[hf:]",)),
+    Mutation("the shard writer stores images as given without their size held to the key",
+             "accel_train/data/shards/writer.py", '"shard", max_pixels) as opened:', '"shard", None) as opened:',
+             ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::"
+              "test_every_decode_path_reads_an_image_at_the_limit_and_refuses_one_a_pixel_over_naming_it_and_the_key"
+              "[the shard writer, images as given]",
+              "tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::test_a_png_bomb_stops_bench_input_in_one_line_before_any_way_is_measured")),
+    Mutation("shards decode their images under the default limit, not data.max_image_pixels",
+             "accel_train/data/shards/dataset.py",
+             "image_mode(index),\n                           cfg.max_image_pixels)", "image_mode(index))",
+             ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::"
+              "test_every_decode_path_reads_an_image_at_the_limit_and_refuses_one_a_pixel_over_naming_it_and_the_key"
+              "[shards]",)),
+    Mutation("predict reads its files under the default limit, not data.max_image_pixels",
+             "accel_train/training/prediction.py", '"predict", self.max_pixels))', '"predict"))',
+             ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::"
+              "test_every_decode_path_reads_an_image_at_the_limit_and_refuses_one_a_pixel_over_naming_it_and_the_key"
+              "[predict]",)),
+    Mutation("PIL's own limit left lifted after a header's read",
+             "accel_train/data/decode.py", "        finally:\n            Image.MAX_IMAGE_PIXELS = limit",
+             "        finally:\n            pass",
+             ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::test_the_limit_is_pils_own_by_default_a_key_with_its_meaning_and_pils_setting_stays_as_it_was",)),
 ]
 
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
-from accel_train.data.shards.format import INDEX_FILE, Shard
+from accel_train.data.shards.format import INDEX_FILE, Shard, is_sha256
 from accel_train.errors import DataNotFoundError
 from accel_train.storage import Store
 
@@ -46,7 +46,18 @@ class BlockCache:
         return {**self.__dict__, "_mapped": OrderedDict(), "_mapped_bytes": 0}  # a worker maps blocks of its own
 
     def block_path(self, sha256: str) -> Path:
-        return self.folder / "blocks" / sha256[:2] / sha256
+        """Where the block of `sha256` lives in the cache: built only from a checked hash (64 lowercase hex digits name
+        a block here), and held inside the folder anyway. read_index checks an index's hashes already, where its line
+        can name the shard; the cache checks again to keep its own promise (nothing outside its folder read, touched
+        or written) for whoever made the Shard, and the inside check states that promise itself rather than leaving
+        it to follow from the rule for names."""
+        if not is_sha256(sha256):
+            raise DataNotFoundError(f"data.cache_dir: a shard block's sha256 {sha256!r} is not 64 lowercase hex "
+                                    "digits; its index is damaged: write the shards again with accel-train shard")
+        path = self.folder / "blocks" / sha256[:2] / sha256
+        if not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(self.folder)):
+            raise DataNotFoundError(f"data.cache_dir: a block's path {path} lies outside the cache {self.folder}")
+        return path
 
     def read_sample(self, shard: Shard, folder: str, position: int) -> bytes:
         """The bytes of sample `position` of `shard` (stored under `folder` of the store), from its cached block."""

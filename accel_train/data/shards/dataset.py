@@ -16,9 +16,9 @@ from torch.utils.data import Dataset, Subset
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-from accel_train.config import DataConfig
+from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
 from accel_train.data.classes import labelled_by
-from accel_train.data.decode import Crops, decode_image_bytes, shrunk
+from accel_train.data.decode import Crops, decode_image_bytes, decoded, open_image, shrunk
 from accel_train.data.imagefolder import (
     augments,
     crop_region_transform,
@@ -45,13 +45,20 @@ from accel_train.data.shards.format import (
     sample_members,
 )
 from accel_train.distributed.environment import launcher_environment
-from accel_train.errors import DataNotFoundError, UserError
+from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 from accel_train.storage import Store, check_location
 
 logger = logging.getLogger(__name__)
 
 WRITE_HINT = "write them with accel-train shard RECIPE output=URL (or index tars of your own with accel-train shard " \
              "index URL)"
+REWRITE_HINT = "write the shards again with accel-train shard (or index tars of your own again with accel-train " \
+               "shard index URL)"
+
+
+def _array(payload: bytes) -> np.ndarray:
+    """A .npy member's array, without pickles: an object array is refused (ValueError), never unpickled."""
+    return np.load(io.BytesIO(payload), allow_pickle=False)
 
 
 def read_index(store: Store, split: str, required: bool = True) -> SplitIndex | None:
@@ -93,11 +100,14 @@ def eval_split(store: Store) -> tuple[str, SplitIndex]:
 
 class ShardSamples(Dataset):
     """A split's samples by id (ids count through the shards in the index's order), each read from its block in this
-    node's cache and decoded; `transform` turns the decoded image into the model's input, as `transform` of
-    torchvision's datasets does (the validation split swaps it for the test split's)."""
+    node's cache and decoded (an image no larger than `max_pixels`: data.max_image_pixels); `transform` turns the
+    decoded image into the model's input, as `transform` of torchvision's datasets does (the validation split swaps
+    it for the test split's)."""
 
-    def __init__(self, index: SplitIndex, split: str, cache: BlockCache, transform, image_mode: str | None) -> None:
+    def __init__(self, index: SplitIndex, split: str, cache: BlockCache, transform, image_mode: str | None,
+                 max_pixels: int | None = MAX_IMAGE_PIXELS) -> None:
         self.index, self.split, self.cache, self.transform, self.image_mode = index, split, cache, transform, image_mode
+        self.max_pixels = max_pixels
         self.starts = index.shard_starts()
 
     def __len__(self) -> int:
@@ -116,8 +126,15 @@ class ShardSamples(Dataset):
         return self.members_at(*self.locate(sample))
 
     def members_at(self, shard: int, position: int) -> dict[str, bytes]:
-        """The tar members of the sample at `position` in shard number `shard`."""
-        return sample_members(self.cache.read_sample(self.index.shards[shard], self.split, position))
+        """The tar members of the sample at `position` in shard number `shard`; one line where the tar's headers there
+        are not those of one sample, as the index's offsets say."""
+        entry = self.index.shards[shard]
+        try:
+            return sample_members(self.cache.read_sample(entry, self.split, position))
+        except ValueError as err:
+            raise UnreadableFileError(
+                f"shards: cannot read {self.cache.store.url(self.split)}/{entry.name} (sample {position}): {err}; its "
+                f"index ({self.split}/{INDEX_FILE}) does not describe the tar: {REWRITE_HINT}") from None
 
     def __getitem__(self, sample: int):
         return self._made(sample, self.members(sample))
@@ -136,24 +153,39 @@ class ShardSamples(Dataset):
         """Sample id `sample`, of those tar `members`, as the model's input (transformed) and its label or target."""
         found = next((extension for extension in IMAGE_EXTENSIONS if extension in members), None)
         if RAW_PIXELS in members:  # nothing to decode (the copy: a tensor of its own, writable)
-            inputs = torch.from_numpy(pixels_of(members[RAW_PIXELS]).copy())
+            inputs = torch.from_numpy(self._parsed(sample, RAW_PIXELS, pixels_of, members).copy())
         elif found is not None and self.index.transforms == "imagefolder":  # straight into a tensor, as ImageFolder
-            inputs = decode_image_bytes(members[found], SampleName(self, sample, found), "shards")
+            inputs = decode_image_bytes(members[found], SampleName(self, sample, found), "shards", self.max_pixels)
         elif found is not None:
-            image = Image.open(io.BytesIO(members[found]))
-            inputs = image.convert(self.image_mode) if self.image_mode else image
+            name = SampleName(self, sample, found)
+            inputs = decoded(open_image(members[found], name, "shards", self.max_pixels), name, "shards",
+                             self.image_mode)
         elif "npy" in members:
-            inputs = torch.from_numpy(np.load(io.BytesIO(members["npy"]), allow_pickle=False))
+            inputs = torch.from_numpy(self._parsed(sample, "npy", _array, members))
         else:
             raise DataNotFoundError(f"{self.cache.store.url(self.split)}: sample {sample} has no image (.png, .jpg, "
                                     f"..., .{RAW_PIXELS}) nor .npy member, only {sorted(members)}; {WRITE_HINT}")
         if self.transform is not None:
             inputs = self.transform(inputs)
         if "target.npy" in members:  # a target other than a class, as the dataset gave it (writer.py)
-            return inputs, torch.from_numpy(np.load(io.BytesIO(members["target.npy"]), allow_pickle=False))
-        label = next((label_of(extension, members[extension]) for extension in ("cls", "json") if extension in members),
-                     None)
-        return inputs, label
+            return inputs, torch.from_numpy(self._parsed(sample, "target.npy", _array, members))
+        extension = next((extension for extension in ("cls", "json") if extension in members), None)
+        if extension is None and self.index.transforms != "as_written":  # every sample of these was written labelled
+            shard, position = self.locate(sample)
+            raise UnreadableFileError(f"shards: cannot read {self.cache.store.url(self.split)}/"
+                                      f"{self.index.shards[shard].name} (sample {position}): it has no label (.cls or "
+                                      f".json), only {sorted(members)}; {REWRITE_HINT}")
+        return inputs, None if extension is None else self._parsed(
+            sample, extension, lambda payload: label_of(extension, payload), members)
+
+    def _parsed(self, sample: int, extension: str, parse, members: dict[str, bytes]):
+        """Member `extension` of sample id `sample` as `parse` reads it; one line naming the sample where it cannot:
+        an object array (np.load reads no pickles), pixels not uint8, a label that is not one."""
+        try:
+            return parse(members[extension])
+        except ValueError as err:
+            raise UnreadableFileError(f"shards: cannot read {SampleName(self, sample, extension)}: {err}; "
+                                      f"{REWRITE_HINT}") from None
 
     def source_file(self, sample: int) -> str | None:
         """The file sample id `sample` was written from (SOURCES_FILE, beside the index), or None where none is
@@ -310,7 +342,8 @@ def _labelled(data: Data, store: Store, split: str, classes: list[str] | None) -
 
 def _split_samples(cfg: DataConfig, store: Store, split: str, index: SplitIndex, train: bool) -> Dataset:
     """A split's samples as the model reads them: transformed, limited by data.train_subset / data.eval_subset."""
-    dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index))
+    dataset = ShardSamples(index, split, block_cache(cfg, store), transform_of(cfg, index, train), image_mode(index),
+                           cfg.max_image_pixels)
     dataset.augments_on_device = augments_on_device(cfg, index, train)  # the loader adds each sample's key
     dataset.collate_fn = Crops.collate if crops_on_device(cfg, index, train) else None  # crops differ in size
     dataset.draws_from = augment_draws(index.transforms != "as_written" and augments(cfg, train) and

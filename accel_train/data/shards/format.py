@@ -6,6 +6,10 @@ sample is read without the bytes before it), and the shard's blocks: runs of who
 each with its own sha256, the unit a node downloads, verifies and caches. It also records what a model needs to
 know of the data (classes, normalisation, channels, native image size) and which transforms its samples take.
 Tars written by `webdataset` are indexed by `accel-train shard index` and train the same way.
+
+An index is data from a store others may write to, so it is checked where it is read (Shard.check) and its offsets
+again against the tar's own headers where a sample is read (sample_members): a damaged or forged index is one line,
+never a file outside the cache, a traceback, or another sample's bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ TRANSFORMS = ("in_memory", "imagefolder", "as_written")
 IMAGE_STORAGE = ("as_given", "raw", "jpeg")
 RAW_PIXELS = "pixels.npy"  # numpy's .npy, which webdataset's decoders read as an array too
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's own rule: key up to the first dot
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # as hashlib's hexdigest writes it
+_SHARD_NAME = re.compile(r"[^/\\\0]+")  # a file of the split's folder, not a path (".." apart, checked too)
 
 
 @dataclass
@@ -50,8 +56,45 @@ class Shard:
 
     @classmethod
     def from_dict(cls, entry: dict) -> Shard:
-        """A shard's entry as JSON gives it back (its blocks as lists)."""
-        return cls(**{**entry, "blocks": [tuple(block) for block in entry["blocks"]]})
+        """A shard's entry as JSON gives it back (its blocks as lists), checked."""
+        shard = cls(**{**entry, "blocks": [tuple(block) for block in entry["blocks"]]})
+        shard.check()
+        return shard
+
+    def check(self) -> None:
+        """A ValueError naming the shard (and the sample or block) where this entry cannot describe a tar: its name
+        is a file of the split's folder; its hashes are sha256 hex digits (a block's names its file in the cache);
+        its offsets, each a tar header's place, rise a sample at a time within the samples' bytes, which end before
+        the tar's two end blocks; its blocks start at samples, the first at the first. What only the tar's bytes
+        can show (a header at each offset, members of one sample between two) is checked as a sample is read."""
+        where = f"shard {self.name!r}"
+        if not isinstance(self.name, str) or not _SHARD_NAME.fullmatch(self.name) or self.name in (".", ".."):
+            raise ValueError(f"{where}: not the name of a file in its split's folder")
+        if not is_sha256(self.sha256):
+            raise ValueError(f"{where}: its sha256 {self.sha256!r} is not 64 lowercase hex digits")
+        if not (_at_block(self.end) and _whole(self.bytes)) or self.end + 2 * tarfile.BLOCKSIZE > self.bytes:
+            raise ValueError(f"{where}: its samples end at byte {self.end!r}, which is not a tar block's start two "
+                             f"blocks or more before the end of its {self.bytes!r} bytes")
+        previous = None
+        for position, offset in enumerate(self.offsets):
+            if not _at_block(offset) or previous is not None and offset <= previous or offset >= self.end:
+                after = f"after sample {position - 1}'s {previous} and " if previous is not None else ""
+                raise ValueError(f"{where}, sample {position}: its offset {offset!r} is not a tar block's start "
+                                 f"{after}before the samples' end at {self.end}")
+            previous = offset
+        previous = None
+        for number, block in enumerate(self.blocks):
+            first, sha256 = block if len(block) == 2 else (None, None)
+            in_order = _whole(first) and (first == 0 if previous is None else first > previous)
+            if not (in_order and first < self.samples):
+                after = "0" if previous is None else f"after block {number - 1}'s {previous}"
+                raise ValueError(f"{where}, block {number}: its first sample {first!r} is not {after} and below the "
+                                 f"shard's {self.samples} samples")
+            if not is_sha256(sha256):
+                raise ValueError(f"{where}, block {number}: its sha256 {sha256!r} is not 64 lowercase hex digits")
+            previous = first
+        if self.offsets and not self.blocks:
+            raise ValueError(f"{where}: its {self.samples} samples lie in no block")
 
     @property
     def samples(self) -> int:
@@ -124,6 +167,20 @@ class SplitIndex:
             raise ValueError(f"format {body.get('format')!r}, not {FORMAT!r}")
         shards = [Shard.from_dict(shard) for shard in body.pop("shards")]
         return cls(**body, shards=shards, hash=hashlib.sha256(data).hexdigest())
+
+
+def is_sha256(value) -> bool:
+    """Whether `value` is a sha256 as an index holds it: 64 lowercase hex digits (so a plain file name as well)."""
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
+
+
+def _whole(value) -> bool:
+    return type(value) is int and value >= 0  # JSON's true is an int to Python, and 512.0 slices nothing
+
+
+def _at_block(value) -> bool:
+    """A byte offset where a tar header may start: whole 512-byte blocks from the tar's start."""
+    return _whole(value) and value % tarfile.BLOCKSIZE == 0
 
 
 def square_side(sizes: set[tuple[int, int]]) -> int | None:
@@ -229,34 +286,56 @@ def label_of(extension: str, payload: bytes):
 
 
 def sample_members(blob: bytes) -> dict[str, bytes]:
-    """The members of one sample's bytes (its tar headers and contents), by extension.
+    """The members of one sample's bytes (its tar headers and contents), by extension. A ValueError where they are not
+    one sample's members laid end to end, as the index's offsets say they are: no tar header at the sample's offset,
+    a member running past the next sample's, members of two keys (an offset missing from the index), or bytes left
+    over; so an index that does not match its tar never gives a sample another one's bytes.
 
     Plain ustar headers are read directly (a quarter of a sample's decoding time through tarfile); a header of
-    another kind (pax, GNU long names) goes through tarfile."""
-    members, offset, view = {}, 0, memoryview(blob)
-    while offset + tarfile.BLOCKSIZE <= len(blob):
+    another kind (pax, GNU long names), or none, goes through tarfile."""
+    members, offset, view, key = {}, 0, memoryview(blob), None
+    while offset < len(blob):
         header = blob[offset:offset + tarfile.BLOCKSIZE]
-        kind = header[156:157]
-        if not header.strip(b"\0"):
-            break
-        if kind not in (b"0", b"\0") or header[257:262] != b"ustar":
+        if header[156:157] not in (b"0", b"\0") or header[257:262] != b"ustar":
             return _members_through_tarfile(blob)
         name = header[:100].rstrip(b"\0").decode()
         prefix = header[345:500].rstrip(b"\0").decode()
         size = int(header[124:136].rstrip(b"\0 ") or b"0", 8)
         start = offset + tarfile.BLOCKSIZE
-        parts = split_key(f"{prefix}/{name}" if prefix else name)
+        parts = _of_the_sample(key, f"{prefix}/{name}" if prefix else name, start + size, len(blob))
         if parts is not None:
-            members[parts[1]] = bytes(view[start:start + size])
+            key, extension = parts
+            members[extension] = bytes(view[start:start + size])
         offset = start + padded(size)
     return members
 
 
+def _of_the_sample(key: str | None, name: str, end: int, length: int) -> tuple[str, str] | None:
+    """(key, extension) of member `name` (webdataset's split_key), whose contents end at byte `end` of a sample's
+    `length` bytes, once it is found to be of the sample of `key` (None: its first member)."""
+    if end > length:
+        raise ValueError(f"its member {name} runs to byte {end:,} of the {length:,} up to the next sample's offset")
+    parts = split_key(name)
+    if parts is not None and key is not None and parts[0] != key:
+        raise ValueError(f"its bytes hold members of two samples, {key} and {parts[0]} (an offset missing from the "
+                         "index)")
+    return parts
+
+
 def _members_through_tarfile(blob: bytes) -> dict[str, bytes]:
-    members = {}
-    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
-        for member in tar:
-            parts = split_key(member.name) if member.isfile() else None
-            if parts is not None:
-                members[parts[1]] = tar.extractfile(member).read()
+    members, key, end = {}, None, 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+            for member in tar:
+                end = member.offset_data + padded(member.size)
+                parts = _of_the_sample(key, member.name, member.offset_data + member.size, len(blob)) \
+                    if member.isfile() else None
+                if parts is not None:
+                    key, extension = parts
+                    members[extension] = tar.extractfile(member).read()
+    except tarfile.TarError as err:
+        raise ValueError(f"no tar member at its offset ({err})") from None
+    if end != len(blob):  # tarfile stops quietly at an end block, or at the end of the bytes
+        raise ValueError(f"{len(blob) - end:,} of its {len(blob):,} bytes hold no member of it (the index's offsets "
+                         "do not match its tar)")
     return members

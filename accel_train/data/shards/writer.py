@@ -24,9 +24,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Subset
 
-from accel_train.config import DataConfig
+from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
 from accel_train.console import bar_disabled
-from accel_train.data.decode import decode_image_bytes, shrunk, unreadable_image
+from accel_train.data.decode import decode_image_bytes, open_image, shrunk, unreadable_image
 from accel_train.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, own_validation_folder
 from accel_train.data.in_memory import InMemoryImages, pil_image
 from accel_train.data.registry import given_normalization
@@ -100,11 +100,12 @@ class ImageStorage:
             return {"jpg": buffer.getvalue()}
         return {"png": _png(pil_image(pixels))}
 
-    def of_file(self, data: bytes, extension: str, name: str) -> dict[str, bytes]:
-        """An image file's bytes as the image member of a sample: as they are, or decoded (RGB) and stored anew."""
+    def of_file(self, data: bytes, extension: str, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict[str, bytes]:
+        """An image file's bytes as the image member of a sample: as they are, or decoded (RGB, where no larger than
+        `max_pixels`) and stored anew."""
         if self.images == "as_given":  # the file's own bytes: no second compression
             return {extension if extension in IMAGE_EXTENSIONS else "png": data}
-        return self.of_pixels(decode_image_bytes(data, name, "shard"))
+        return self.of_pixels(decode_image_bytes(data, name, "shard", max_pixels))
 
 
 def _label_members(label) -> dict[str, bytes]:
@@ -147,7 +148,7 @@ def _imagefolder(cfg: DataConfig, dataset, split: str, storage: ImageStorage) ->
                 data = file.read()
         except OSError as err:  # a broken link, a file removed since the listing, one we may not read
             raise unreadable_image(f"{path} ({split} split)", "shard", err.strerror or str(err)) from None
-        image = storage.of_file(data, path.rsplit(".", 1)[-1].lower(), path)
+        image = storage.of_file(data, path.rsplit(".", 1)[-1].lower(), f"{path} ({split} split)", cfg.max_image_pixels)
         return {**image, "cls": str(label).encode()}
     return SourceSplit(split, len(files), members, dict(classes=list(dataset.classes),
                                                         num_classes=len(dataset.classes), channels=3, image_size=None,
@@ -175,7 +176,7 @@ def _hub(cfg: DataConfig, data, split: str, storage: ImageStorage) -> SourceSpli
     def members(index: int) -> dict[str, bytes]:
         encoded, name = base.encoded(row(index))
         label = base.label(row(index))
-        return {**storage.of_file(encoded, _extension_of(encoded), name),
+        return {**storage.of_file(encoded, _extension_of(encoded), name, cfg.max_image_pixels),
                 "cls": str(mapping[label] if mapping is not None else label).encode()}
     return SourceSplit(split, len(dataset), members, dict(classes=data.classes, num_classes=data.num_classes,
                                                           channels=3, image_size=None, mean=list(mean), std=list(std),
@@ -302,8 +303,8 @@ def write_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, block
     started = time.monotonic()
     sources = source_splits(cfg, storage, splits)  # a source that cannot be read is refused before anything is recorded
     store.write(WRITING_FILE, json.dumps(settings).encode())
-    written = [_write_split(store, source, settings, int(shard_mb * 2**20), int(block_mb * 2**20))
-               for source in sources]
+    written = [_write_split(store, source, settings, int(shard_mb * 2**20), int(block_mb * 2**20),
+                            cfg.max_image_pixels) for source in sources]
     store.remove(WRITING_FILE)
     samples = " and ".join(f"{index.samples:,} {index.split}" for index in written)
     shards, size = sum(len(index.shards) for index in written), sum(index.bytes for index in written)
@@ -371,11 +372,15 @@ def _differences(before: dict, now: dict) -> str:
                      if before.get(key) != now.get(key)) or "unreadable settings"
 
 
-def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes: int, block_bytes: int) -> SplitIndex:
+def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes: int, block_bytes: int,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> SplitIndex:
+    """The split's shards and index; an image whose header declares more than `max_pixels` refused (images as given
+    are not decoded here, but training would refuse them)."""
     from tqdm.auto import tqdm
 
     done = sorted(name for name in store.names(f"{source.split}/{WRITTEN}") if name.endswith(".json"))
-    shards = [Shard.from_dict(json.loads(store.read(f"{source.split}/{WRITTEN}/{name}"))) for name in done]
+    shards = [_recorded(store, f"{source.split}/{WRITTEN}/{name}", lambda data: Shard.from_dict(json.loads(data)))
+              for name in done]
     first = sum(shard.samples for shard in shards)
     sizes, pending, pending_bytes = set(), [], 0
 
@@ -398,10 +403,8 @@ def _write_split(store: Store, source: SourceSplit, settings: dict, shard_bytes:
                 sizes.add(pixels_of(members[RAW_PIXELS]).shape[:0:-1])  # (width, height), as PIL's size
             elif source.record["transforms"] != "as_written":
                 image = next(data for extension, data in members.items() if extension in IMAGE_EXTENSIONS)
-                try:
-                    sizes.add(Image.open(io.BytesIO(image)).size)
-                except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-                    raise unreadable_image(f"{source.name(index)} ({source.split} split)", "shard", str(err)) from None
+                with open_image(image, f"{source.name(index)} ({source.split} split)", "shard", max_pixels) as opened:
+                    sizes.add(opened.size)
             pending.append((f"{index:09d}", members))
             pending_bytes += _tar_size(members)
             if pending_bytes >= shard_bytes:
@@ -456,10 +459,11 @@ def index_tars(location: str, block_mb: float = BLOCK_BYTES / 2**20) -> None:
             for position in range(shard.samples):
                 start, end = shard.sample_span(position)
                 for extension, payload in sample_members(data[start:end]).items():
-                    if extension in IMAGE_EXTENSIONS:
-                        image = Image.open(io.BytesIO(payload))
-                        sizes.add(image.size)
-                        kinds.add(image.mode)
+                    if extension in IMAGE_EXTENSIONS:  # its header read, no limit: nothing decodes here
+                        where = f"{store.url(f'{split}/{name}')} (sample {position}, .{extension})"
+                        with open_image(payload, where, "shard index", None) as image:
+                            sizes.add(image.size)
+                            kinds.add(image.mode)
         known += [label for label in labels if isinstance(label, int)]
         indexes.append(SplitIndex(split, shards, classes=None, num_classes=None, channels=1 if kinds == {"L"} else 3,
                                   image_size=square_side(sizes), mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
