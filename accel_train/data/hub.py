@@ -4,18 +4,25 @@ folder save_to_disk wrote (load_from_disk).
 
 The image and label columns are found by their feature types (Image, ClassLabel) or named (data.image_column,
 data.label_column); the ClassLabel's names are the classes, and an evaluation split is labelled by the training split's
-names. Images go from the Arrow bytes straight to uint8 tensors (decode.py), through ImageFolder's transforms, each
-sample's draws keyed by (seed, epoch, index), and are normalised on the device: the same path as an ImageFolder
-tree's. A dataset without an evaluation split holds out data.val_fraction of its training split for it.
+names. Each split's labels are read by the names they were written with: load_dataset gives every split of a folder
+of parquet or arrow files the features of the first file it reads, while each file's integers count its own
+ClassLabel's names (datasets writes them into each file's schema), so a file's labels are mapped by name; an image
+folder's names are those of all its splits' folders, so the training split's are those its samples have. Images go
+from the Arrow bytes straight to uint8 tensors (decode.py), through ImageFolder's transforms, each sample's draws
+keyed by (seed, epoch, index), and are normalised on the device: the same path as an ImageFolder tree's. A dataset
+without an evaluation split holds out data.val_fraction of its training split for it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
@@ -30,6 +37,13 @@ from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 
 EVALUATION_SPLITS = ("validation", "valid", "val", "test")  # the first there, where data.eval_split is unset
 HOLD_OUT_SEED = 0  # a dataset without an evaluation split: the samples held out for one, the same in every run
+# datasets' builders that name a ClassLabel's classes after the folders of every split together
+FOLDER_BUILDERS = ("imagefolder",)
+
+
+class Loaded(NamedTuple):
+    splits: object  # a DatasetDict
+    source: str | None  # what load_dataset read (the name, or its snapshot in the Hugging Face cache); None: from disk
 
 
 def where(cfg: DataConfig) -> str:
@@ -38,22 +52,24 @@ def where(cfg: DataConfig) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(name: str, revision: str | None, args_json: str):
+def _load(name: str, revision: str | None, args_json: str) -> Loaded:
     """The dataset's splits (a DatasetDict), as `datasets` loads them: its cache prepared once a machine (set-up
-    builds the data on each machine's main process first)."""
+    builds the data on each machine's main process first); and where load_dataset read them from."""
     import datasets
 
     logging.getLogger("datasets").setLevel(logging.ERROR)
     folder, args = Path(name), json.loads(args_json)
     refuse_loading_scripts(name, args)
+    source = None
     try:
         if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
             loaded = datasets.load_from_disk(str(folder))
         else:
             try:
-                loaded = datasets.load_dataset(name, revision=revision, **args)
+                source, loaded = name, datasets.load_dataset(name, revision=revision, **args)
             except ConnectionError:
-                loaded = datasets.load_dataset(cached_snapshot(name, revision), **args)
+                source = cached_snapshot(name, revision)
+                loaded = datasets.load_dataset(source, **args)
     except RuntimeError as err:  # datasets 4 and later: "Dataset scripts are no longer supported, but found X.py"
         if "scripts are no longer supported" not in str(err):
             raise
@@ -69,7 +85,7 @@ def _load(name: str, revision: str | None, args_json: str):
                                 "files, or what save_to_disk wrote") from None
     except ValueError as err:  # datasets' own words for a config or split it does not know
         raise UserError(f"data.name=hf:{name}: {str(err).splitlines()[0]}") from None
-    return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+    return Loaded(loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded), source)
 
 
 def refuse_loading_scripts(name: str, args: dict) -> None:
@@ -102,7 +118,93 @@ def cached_snapshot(name: str, revision: str | None) -> str:
 
 def splits_of(cfg: DataConfig):
     """The dataset's splits, loaded once a process for the same name, revision and data.args."""
-    return _load(where(cfg), cfg.revision, json.dumps(cfg.args, sort_keys=True))
+    return _load(where(cfg), cfg.revision, json.dumps(cfg.args, sort_keys=True)).splits
+
+
+class SplitLabels(NamedTuple):
+    labels: np.ndarray  # each sample's label, an index into names
+    names: list[str] | None  # the classes the labels index (None: the label column is not a ClassLabel)
+
+
+def split_labels(cfg: DataConfig, split: str, label: str) -> SplitLabels:
+    """The labels of a split and the class names they index, each file's by the names it was written with."""
+    return _split_labels(where(cfg), cfg.revision, json.dumps(cfg.args, sort_keys=True), split, label)
+
+
+@functools.lru_cache(maxsize=8)
+def _split_labels(name: str, revision: str | None, args_json: str, split: str, label: str) -> SplitLabels:
+    loaded = _load(name, revision, args_json)
+    rows = loaded.splits[split]
+    labels = np.asarray(rows.select_columns([label]).with_format("numpy")[label])
+    names = class_names(rows, label)
+    if names is None:
+        return SplitLabels(labels, None)
+    if rows.info.builder_name in FOLDER_BUILDERS:  # its names: every split's folders; the split's own: its samples'
+        present = np.unique(labels)
+        return SplitLabels(np.searchsorted(present, labels), [names[index] for index in present])
+    files = None if loaded.source is None else file_class_names(loaded.source, revision, args_json, label).get(split)
+    if not files or sum(count for count, _ in files) != len(labels):  # numbered by the split's feature alone
+        return SplitLabels(labels, names)
+    own: list[str] = []
+    for _, written in files:
+        own += [name for name in written or names if name not in own]
+    mapped, start = labels.copy(), 0
+    for count, written in files:  # each file's integers count the names it was written with
+        position = np.array([own.index(name) for name in written or names])
+        mapped[start:start + count] = position[labels[start:start + count]]
+        start += count
+    return SplitLabels(mapped, own)
+
+
+@functools.lru_cache(maxsize=4)
+def file_class_names(source: str, revision: str | None, args_json: str, label: str) -> dict[str, list]:
+    """Each split's data files, in the order load_dataset reads them, as (rows, the names of the ClassLabel `label`
+    written into the file's schema, or None where it holds none): {} for data files of another format."""
+    import datasets
+
+    args = json.loads(args_json)
+    if "split" in args:  # one split, perhaps a slice of one: numbered by its feature
+        return {}
+    # the arguments load_dataset takes for itself (num_proc, keep_in_memory, ...), not for the builder
+    load_only = set(inspect.signature(datasets.load_dataset).parameters) - \
+        set(inspect.signature(datasets.load_dataset_builder).parameters)
+    builder = datasets.load_dataset_builder(source, revision=revision,
+                                            **{key: value for key, value in args.items() if key not in load_only})
+    reading = {"parquet": _parquet_file, "arrow": _arrow_file}.get(builder.name)
+    if reading is None or not builder.config.data_files:
+        return {}
+    paths = datasets.DownloadManager().download({split: list(files) for split, files in
+                                                 builder.config.data_files.items()})  # already in the cache
+    found = {}
+    for split, files in paths.items():
+        found[split] = []
+        for path in files:
+            count, schema = reading(path)
+            feature = datasets.Features.from_arrow_schema(schema).get(label) if schema.metadata else None
+            found[split].append((count, list(feature.names) if isinstance(feature, datasets.ClassLabel) else None))
+    return found
+
+
+def _parquet_file(path: str):
+    """(rows, schema) of a parquet file: its footer alone."""
+    import pyarrow.parquet as pq
+
+    metadata = pq.read_metadata(path)
+    return metadata.num_rows, metadata.schema.to_arrow_schema()
+
+
+def _arrow_file(path: str):
+    """(rows, schema) of an Arrow IPC file (a stream, as datasets writes them, or the file format), memory-mapped: its
+    batches' headers read, not their data."""
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.lib.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches)), reader.schema
+        return sum(batch.num_rows for batch in reader), reader.schema
 
 
 def evaluation_split(cfg: DataConfig) -> str | None:
@@ -163,13 +265,12 @@ class HubImages(Dataset):
     """A split's (image, label) samples: the image from the Arrow bytes into a uint8 tensor (no larger than
     `max_pixels`: datasets' own decoding, through PIL, is turned off), then `transform`."""
 
-    def __init__(self, split, image_column: str, label_column: str, transform, name: str,
+    def __init__(self, split, image_column: str, labels: np.ndarray, transform, name: str,
                  max_pixels: int | None = MAX_IMAGE_PIXELS) -> None:
         import datasets
 
-        self.rows = split.select_columns([image_column, label_column]).cast_column(image_column,
-                                                                                   datasets.Image(decode=False))
-        self.image_column, self.label_column, self.transform, self.name = image_column, label_column, transform, name
+        self.rows = split.select_columns([image_column]).cast_column(image_column, datasets.Image(decode=False))
+        self.image_column, self.labels, self.transform, self.name = image_column, labels, transform, name
         self.max_pixels = max_pixels
 
     def __len__(self) -> int:
@@ -187,7 +288,7 @@ class HubImages(Dataset):
             raise UnreadableFileError(f"hf: cannot read {name} ({err})") from None
 
     def label(self, index: int) -> int:
-        return int(self.rows[index][self.label_column])
+        return int(self.labels[index])
 
     def __getitem__(self, index: int):
         data, name = self.encoded(index)
@@ -205,10 +306,10 @@ def hub_dataset(cfg: DataConfig, train: bool, classes: list[str] | None = None) 
     evaluated = evaluation_split(cfg)
     rows = train_rows if train or evaluated is None else splits[evaluated]
     image, label = columns(cfg, rows)
-    names = class_names(rows, label)
     size = cfg.image_size or 224
     split_name = cfg.train_split if train or evaluated is None else evaluated
-    dataset = HubImages(rows, image, label, imagefolder_transform(cfg, train), f"{cfg.name} {split_name}",
+    labels, names = split_labels(cfg, split_name, label)
+    dataset = HubImages(rows, image, labels, imagefolder_transform(cfg, train), f"{cfg.name} {split_name}",
                         cfg.max_image_pixels)
     dataset.draws_from = augment_draws(augments(cfg, train))  # KeyedSamples seeds what they draw from
     if evaluated is None:  # no evaluation split: data.val_fraction of the training split is held out for it
@@ -224,7 +325,7 @@ def hub_dataset(cfg: DataConfig, train: bool, classes: list[str] | None = None) 
     data = Data(dataset, num_classes, (3, size, size), names, finish=imagefolder_finish(cfg))
     if train:
         return data
-    return labelled_by(data, classes or class_names(train_rows, columns(cfg, train_rows)[1]),
+    return labelled_by(data, classes or split_labels(cfg, cfg.train_split, columns(cfg, train_rows)[1]).names,
                        f"data.name={cfg.name}: the {evaluated or 'held-out'} split")
 
 

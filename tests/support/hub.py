@@ -82,11 +82,30 @@ def colour_dataset(splits: dict[str, tuple[tuple[str, ...], int]], class_names: 
     return datasets.DatasetDict(made)
 
 
+def as_image_files(split, folder: Path) -> Path:
+    """A split's images as files folder/CLASS/i.png, each under its class's name (its own ClassLabel's)."""
+    names = split.features["label"].names
+    for index, (image, label) in enumerate(zip(split["image"], split["label"])):
+        (folder / names[label]).mkdir(parents=True, exist_ok=True)
+        image.save(folder / names[label] / f"{index}.png")
+    return folder
+
+
 def as_parquet_repository(dataset, folder: Path) -> Path:
     """A folder laid out as a Hub dataset repository of parquet files (data/SPLIT-00000-of-00001.parquet)."""
     (folder / "data").mkdir(parents=True, exist_ok=True)
     for split, rows in dataset.items():
         rows.to_parquet(str(folder / "data" / f"{split}-00000-of-00001.parquet"))
+    return folder
+
+
+def as_arrow_repository(dataset, folder: Path) -> Path:
+    """A folder of arrow files as datasets writes them (data/SPLIT-00000-of-00001.arrow), each with its features."""
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    for split, rows in dataset.items():
+        rows.save_to_disk(str(folder / "saved" / split))
+        shutil.move(next((folder / "saved" / split).glob("*.arrow")), folder / "data" / f"{split}-00000-of-00001.arrow")
+    shutil.rmtree(folder / "saved")
     return folder
 
 

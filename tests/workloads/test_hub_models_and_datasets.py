@@ -25,6 +25,8 @@ from accel_train.workloads.tasks import task_named
 from support.commands import run_cli, train_in_process
 from support.hub import (
     COLOURS,
+    as_arrow_repository,
+    as_image_files,
     as_parquet_repository,
     colour_dataset,
     into_cache,
@@ -39,13 +41,19 @@ TRAINING = ("data.augment=false", "data.num_workers=0", "train.batch_size=8", "t
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """Folders: a tiny ViT of the three colours, a tiny ResNet; the colour dataset (train: 8 a colour, validation:
-    3 of blue and red) as a parquet repository and as save_to_disk wrote it."""
+    """Folders: a tiny ViT of the three colours, a tiny ResNet; the colour dataset (train: 8 a colour, its ClassLabel
+    blue, green, red; validation: 3 of blue and red, its ClassLabel red, green, blue, as a split written apart lists
+    them) as a parquet repository and as save_to_disk wrote it; the validation images as files under their classes'
+    names."""
+    import datasets
+
     root = tmp_path_factory.mktemp("hub")
-    colours = colour_dataset({"train": (tuple(COLOURS), 8), "validation": (("blue", "red"), 3)})
+    validation = colour_dataset({"validation": (("blue", "red"), 3)}, class_names=("red", "green", "blue"))
+    colours = datasets.DatasetDict(train=colour_dataset({"train": (tuple(COLOURS), 8)})["train"], **validation)
     colours.save_to_disk(str(root / "saved"))
     return {"vit": tiny_vit(root / "vit", list(COLOURS)), "resnet": tiny_resnet(root / "resnet"),
-            "parquet": as_parquet_repository(colours, root / "parquet"), "saved": root / "saved"}
+            "parquet": as_parquet_repository(colours, root / "parquet"), "saved": root / "saved",
+            "files": as_image_files(validation["validation"], root / "files")}
 
 
 def checked(*overrides: str):
@@ -64,8 +72,11 @@ def test_an_hf_model_on_an_hf_dataset_trains_evaluates_and_predicts_by_its_class
     from accel_train import api
 
     metrics = api.evaluate(str(run))
+    rows = api.predict(str(run), inputs=str(hub["files"]))
     assert json.loads((run / "classes.json").read_text()) == list(COLOURS)
-    assert metrics["num_samples"] == 6 and metrics["accuracy"] == read_metrics(run, "test")[-1]["accuracy"] == 1.0
+    predicted = sum(row["labels"][0] == row["path"].split("/")[-2] for row in rows) / len(rows)
+    assert metrics["num_samples"] == len(rows) == 6  # validation lists red first: read by position, accuracy 0
+    assert metrics["accuracy"] == read_metrics(run, "test")[-1]["accuracy"] == predicted == 1.0
 
 
 @pytest.mark.floors
@@ -204,15 +215,17 @@ def test_a_dataset_loading_script_never_runs_and_is_one_line(hub, tmp_path, give
 
 @pytest.mark.floors
 def test_hub_names_resolve_from_the_cache_offline_and_a_name_it_lacks_is_one_line_exit_3(hub, tmp_path):
-    """As a user's machine holds them after `hf download`: the model and the dataset by Hub name, HF_HUB_OFFLINE=1."""
+    """As a user's machine holds them after `hf download`: the model and the dataset by Hub name, HF_HUB_OFFLINE=1;
+    the dataset's validation split labelled by its own file's class names (it lists red first)."""
     home = tmp_path / "hf_home"
     into_cache(home, "models", "tiny/vit", hub["vit"])
     into_cache(home, "datasets", "tiny/colours", hub["parquet"])
     into_cache(home, "models", "tiny/pickled", only_pickled(hub["vit"], tmp_path / "pickled"))
     env = {"HF_HOME": str(home)}
     run_cli("train", "imagefolder", "data.name=hf:tiny/colours", "model.name=hf:tiny/vit", "model.pretrained=true",
-            *TRAINING, "train.max_steps=2", f"output_dir={tmp_path / 'run'}", env=env)
-    assert read_metrics(tmp_path / "run", "test")[-1]["num_samples"] == 6
+            *TRAINING, f"output_dir={tmp_path / 'run'}", env=env)
+    final = read_metrics(tmp_path / "run", "test")[-1]
+    assert (final["num_samples"], final["accuracy"]) == (6, 1.0)
 
     cases = {"model.name=hf:tiny/missing": ["model.name=hf:tiny/missing: reading its config failed (",
                                             f"a Hub repository must be in the Hugging Face cache ({home / 'hub'}; "
@@ -275,15 +288,21 @@ def test_an_unknown_timm_model_is_one_line_naming_the_closest():
 
 
 @pytest.mark.floors
-def test_an_hf_dataset_finds_its_columns_by_type_and_labels_its_evaluation_split_by_name(tmp_path):
-    """Columns named img and tag; the validation split's ClassLabel lists the colours in another order."""
+@pytest.mark.parametrize("written", ["save_to_disk", "parquet", "arrow"])
+def test_an_hf_dataset_finds_its_columns_by_type_and_labels_each_split_by_the_names_it_was_written_with(tmp_path,
+                                                                                                       written):
+    """Columns named img and tag; the validation split's ClassLabel lists the colours in another order. load_dataset
+    gives every split of a folder of parquet or arrow files the features of the first file it reads: each file's
+    integers are read by the names written into it."""
+    import datasets
+
     train = colour_dataset({"train": (tuple(COLOURS), 2)}, image_column="img", label_column="tag")
     reordered = colour_dataset({"validation": (("red", "blue"), 1)}, class_names=("red", "green", "blue"),
                                image_column="img", label_column="tag")
-    import datasets
-
-    datasets.DatasetDict(train=train["train"], validation=reordered["validation"]).save_to_disk(str(tmp_path / "d"))
-    cfg = load_config("imagefolder", [f"data.name=hf:{tmp_path / 'd'}", "data.image_size=8"]).data
+    both = datasets.DatasetDict(train=train["train"], validation=reordered["validation"])
+    folder = {"save_to_disk": saved, "parquet": as_parquet_repository, "arrow": as_arrow_repository}[written](
+        both, tmp_path / "d")
+    cfg = load_config("imagefolder", [f"data.name=hf:{folder}", "data.image_size=8"]).data
 
     training, evaluation = build_dataset(cfg, train=True), build_dataset(cfg, train=False)  # by the train split's
 
@@ -291,6 +310,36 @@ def test_an_hf_dataset_finds_its_columns_by_type_and_labels_its_evaluation_split
     assert [int(evaluation.dataset[index][1]) for index in range(2)] == [2, 0]  # red, blue by name
     image = training.dataset[0][0]
     assert image.dtype == torch.uint8 and image.shape == (3, 8, 8)  # normalised on the device, as ImageFolder's
+
+
+def saved(dataset, folder):
+    dataset.save_to_disk(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("written", ["parquet", "image folder"])
+def test_an_hf_evaluation_class_the_run_never_trained_on_is_one_line_exit_3_before_anything_trains(tmp_path,
+                                                                                                   written):
+    """The test split has green, which the training split lacks: in a parquet file, its own ClassLabel names it; in an
+    image folder, datasets names the classes of every split's folders, and the training split's are its samples'."""
+    import datasets
+
+    train = colour_dataset({"train": (("blue", "red"), 2)}, class_names=("blue", "red"))["train"]
+    test = colour_dataset({"test": (tuple(COLOURS), 1)})["test"]
+    if written == "parquet":
+        folder = as_parquet_repository(datasets.DatasetDict(train=train, test=test), tmp_path / "d")
+    else:
+        folder = as_image_files(test, as_image_files(train, tmp_path / "d" / "train").parent / "test").parent
+
+    with pytest.raises(DataNotFoundError) as refused:
+        train_in_process("imagefolder", f"data.name=hf:{folder}", "model.name=mnist_cnn", "data.image_size=8",
+                         *TRAINING, "train.batch_size=4", "train.max_steps=2", f"output_dir={tmp_path / 'run'}")
+
+    message = str(refused.value)
+    assert refused.value.exit_code == 3 and "\n" not in message
+    assert message.startswith(f"data.name=hf:{folder}: the test split has class 'green', which the run never trained "
+                              "on (its 2 classes: blue, red)"), message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.floors
