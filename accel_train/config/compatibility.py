@@ -14,11 +14,12 @@ from accel_train.import_paths import is_given_object
 # Keys that decide what trained weights mean (model.* too): evaluating, predicting or resuming with another value
 # would silently give other numbers, so a value that contradicts the run's is refused.
 MEANING_KEYS = ("task", "data.name", "data.num_classes", "data.image_size", "data.normalize", "data.mean",
-                "data.std", "data.crop_fraction", "data.interpolation")
+                "data.std", "data.channels", "data.crop_fraction", "data.interpolation")
 STARTING_POINT = ("model.init_from",)  # where training started: not what the trained weights mean
 # Left unset, these take the model's own values (workloads/inputs.py), which the run recorded: the same model.* gives
 # them again, so unset is not a contradiction.
-TAKEN_FROM_THE_MODEL = ("data.image_size", "data.mean", "data.std", "data.crop_fraction", "data.interpolation")
+TAKEN_FROM_THE_MODEL = ("data.image_size", "data.mean", "data.std", "data.channels", "data.crop_fraction",
+                        "data.interpolation")
 
 
 def contradictions(recorded: dict, config: Config) -> list[tuple[str, Any, Any]]:

@@ -96,6 +96,10 @@ class DataConfig:
     mean: list[float] | None = doc("per-channel mean for normalize (unset: the dataset's own, or with "
                                    "model.pretrained the weights' own)", default=None)
     std: list[float] | None = doc("per-channel standard deviation for normalize (unset: as data.mean)", default=None)
+    channels: int | None = doc("image channels the model is given: images of another count are converted where they "
+                               "are normalised, 1 channel repeated, 3 into 1 by their luma (unset: the model's, 3 for "
+                               "a torchvision model, a timm model's in_chans, an hf: model's num_channels; else the "
+                               "data's own); the run records the value taken", default=None, within=POSITIVE)
     image_size: int | None = doc("resize images to this side length (STL-10, ImageFolder, hf:; unset: the data's own, "
                                  "the model's image processor's or pretrained_cfg's for hf: and timm: models, else "
                                  "224)", default=None, within=POSITIVE)

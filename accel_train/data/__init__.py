@@ -107,6 +107,8 @@ def run_data(cfg: DataConfig, seed: int, accelerator: Accelerator, source: DataS
         # labelled by the training split's class names: an evaluation split lacking a class is not shifted
         test = source_dataset(source, cfg, train=False, given=eval_dataset, classes=train.classes)
     train, val = validation_split(cfg, seed, train, test, from_hub=source.kind == "hf")
+    if cfg.channels is None and len(train.image_shape) == 3:  # recorded in config.yaml: eval and predict convert alike
+        cfg.channels = train.image_shape[0]
     return RunData(train, test, val)
 
 

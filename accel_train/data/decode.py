@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from accel_train.config import MAX_IMAGE_PIXELS
+from accel_train.data.channels import to_channels
 from accel_train.errors import UnreadableFileError
 
 # The first bytes of the formats decoded into tensors: JPEG, PNG, GIF, and WebP (RIFF....WEBP)
@@ -363,12 +364,16 @@ class ImagesToModelInput:
         return [made, *rest] if isinstance(batch, list) else (made, *rest)
 
     def images(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 images, (C, H, W) or (N, C, H, W), or Crops, as normalised float32."""
+        """uint8 images, (C, H, W) or (N, C, H, W), or Crops, as normalised float32, with a channel for each value of
+        the mean (data.channels: converted just before normalising)."""
         if isinstance(images, Crops):
             images = resized_crops(images, self.size, self.interpolation)
         if images.dtype != torch.uint8:
             return images
         mean, std = self.normalization_on(images.device)
+        if images.shape[-3] != mean.shape[-3]:
+            scaled = to_channels(images.to(torch.float32).mul_(1.0 / 255), mean.shape[-3])
+            return torch.sub(scaled, mean, out=float_batch_like(scaled)).div_(std)
         return float_batch_like(images).copy_(images).mul_(1.0 / 255).sub_(mean).div_(std)
 
     def normalization_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

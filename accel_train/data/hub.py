@@ -30,7 +30,7 @@ from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
 from accel_train.config.schema import expand_home
 from accel_train.data.classes import labelled_by
 from accel_train.data.decode import decode_image_bytes
-from accel_train.data.imagefolder import augments, imagefolder_finish, imagefolder_transform
+from accel_train.data.imagefolder import augments, imagefolder_finish, imagefolder_shape, imagefolder_transform
 from accel_train.data.in_memory import augment_draws
 from accel_train.data.registry import Data
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
@@ -306,7 +306,6 @@ def hub_dataset(cfg: DataConfig, train: bool, classes: list[str] | None = None) 
     evaluated = evaluation_split(cfg)
     rows = train_rows if train or evaluated is None else splits[evaluated]
     image, label = columns(cfg, rows)
-    size = cfg.image_size or 224
     split_name = cfg.train_split if train or evaluated is None else evaluated
     labels, names = split_labels(cfg, split_name, label)
     dataset = HubImages(rows, image, labels, imagefolder_transform(cfg, train), f"{cfg.name} {split_name}",
@@ -322,7 +321,7 @@ def hub_dataset(cfg: DataConfig, train: bool, classes: list[str] | None = None) 
     if num_classes is None:
         raise UserError(f"data.name={cfg.name}: its label column {label} names no classes (not a ClassLabel); set "
                         "data.num_classes")
-    data = Data(dataset, num_classes, (3, size, size), names, finish=imagefolder_finish(cfg))
+    data = Data(dataset, num_classes, imagefolder_shape(cfg), names, finish=imagefolder_finish(cfg))
     if train:
         return data
     return labelled_by(data, classes or split_labels(cfg, cfg.train_split, columns(cfg, train_rows)[1]).names,

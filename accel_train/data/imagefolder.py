@@ -18,6 +18,7 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
+from accel_train.data.channels import converted_normalization, model_channels, to_channels
 from accel_train.data.classes import label_indices
 from accel_train.data.decode import (
     DCT_FACTORS,
@@ -58,7 +59,7 @@ def imagefolder(cfg: DataConfig, train: bool, classes: list[str] | None = None) 
     if cfg.synthetic:
         count = (cfg.train_subset or SYNTHETIC_TRAIN_SIZE) if train else (cfg.eval_subset or SYNTHETIC_EVAL_SIZE)
         dataset = FakeImages(count, image_size=(3, size, size), num_classes=10, transform=transform)
-        return Data(dataset, 10, (3, size, size), [str(index) for index in range(10)],
+        return Data(dataset, 10, imagefolder_shape(cfg), [str(index) for index in range(10)],
                     finish=imagefolder_finish(cfg))
     root = Path(cfg.root)
     if train or classes is None:
@@ -106,7 +107,6 @@ class ImageFolderByName(torchvision.datasets.ImageFolder):
 def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | None, augmenting: bool = False,
                      classes: list[str] | None = None) -> Data:
     """An ImageFolder split; `classes`: the run's class names, which its labels index (None: its own folders')."""
-    size = cfg.image_size or 224
     # JPEGs decoded by the transform, at their scale; either way no file larger than data.max_image_pixels decoded
     loader = functools.partial(read_encoded if decodes_scaled(cfg) else read_image, max_pixels=cfg.max_image_pixels)
     try:
@@ -120,7 +120,7 @@ def imagefolder_data(cfg: DataConfig, split_dir: Path, transform, limit: int | N
     classes = list(dataset.classes)
     if limit is not None:
         dataset = Subset(dataset, range(min(limit, len(dataset))))
-    return Data(dataset, len(classes), (3, size, size), classes, finish=imagefolder_finish(cfg))
+    return Data(dataset, len(classes), imagefolder_shape(cfg), classes, finish=imagefolder_finish(cfg))
 
 
 def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | None = None) -> v2.Compose:
@@ -139,8 +139,9 @@ def imagefolder_transform(cfg: DataConfig, train: bool, normalization: tuple | N
         transform = [resize(evaluation_resize(cfg), interpolation=mode, antialias=True), v2.CenterCrop(size)]
     on_host = []
     if train and cfg.random_erasing:  # after normalising, as timm erases
-        on_host = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(*imagefolder_normalization(cfg, normalization)),
-                   v2.RandomErasing(cfg.random_erasing)]
+        mean, std = imagefolder_normalization(cfg, normalization)
+        on_host = [v2.ToDtype(torch.float32, scale=True), v2.Lambda(functools.partial(to_channels, channels=len(mean))),
+                   v2.Normalize(mean, std), v2.RandomErasing(cfg.random_erasing)]
     return v2.Compose([v2.PILToTensor(), v2.RGB(), *transform, *on_host])
 
 
@@ -264,11 +265,20 @@ class RandomCropRegion(torch.nn.Module):
 
 
 def imagefolder_normalization(cfg: DataConfig, normalization: tuple | None = None) -> tuple[tuple, tuple]:
-    """data.mean / data.std if given, else `normalization` (what shards of such a tree recorded), else ImageNet's;
-    none (0 and 1) with data.normalize=false."""
+    """data.mean / data.std if given, else `normalization` (what shards of such a tree recorded), else ImageNet's,
+    one value a channel the model is given (RGB images converted to as many: data.channels); none (0 and 1) with
+    data.normalize=false."""
+    channels = model_channels(cfg, 3, f"data.name={cfg.name}")
     if not cfg.normalize:
-        return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    return given_normalization(cfg, 3) or normalization or (IMAGENET_MEAN, IMAGENET_STD)
+        return (0.0,) * channels, (1.0,) * channels
+    return given_normalization(cfg, channels) or converted_normalization(*(normalization or (IMAGENET_MEAN,
+                                                                                             IMAGENET_STD)), channels)
+
+
+def imagefolder_shape(cfg: DataConfig) -> tuple[int, int, int]:
+    """The shape of an ImageFolder-like sample as the model is given it."""
+    size = cfg.image_size or 224
+    return model_channels(cfg, 3, f"data.name={cfg.name}"), size, size
 
 
 def imagefolder_finish(cfg: DataConfig, normalization: tuple | None = None) -> ImagesToModelInput:

@@ -15,6 +15,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import transforms as T
 
+from accel_train.data.channels import to_channels
 from accel_train.data.decode import ImagesToModelInput
 from accel_train.data.keyed import sample_keys
 
@@ -71,11 +72,14 @@ class InMemoryImages(Dataset):
 
 
 def to_model_input(images: torch.Tensor, size: int | None, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """uint8 NCHW images -> the float batch the model sees. The same operations, in the same order, as ToTensor
-    (+ Resize) + Normalize: bit-identical inputs either way."""
+    """uint8 NCHW images -> the float batch the model sees, with a channel for each value of `mean` (data.channels:
+    converted just before normalising). The same operations, in the same order, as ToTensor (+ Resize) + Normalize:
+    bit-identical inputs either way."""
     images = images.float().div_(255)
     if size and images.shape[-1] != size:
         images = F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    if images.shape[-3] != mean.shape[-3]:
+        return to_channels(images, mean.shape[-3]).sub(mean).div_(std)
     return images.sub_(mean).div_(std)
 
 
@@ -120,10 +124,18 @@ def per_sample_transform(side: int, mean, std, augment: bool, size: int | None, 
         steps += [T.RandomCrop(side, padding=pad_for(side)), T.RandomHorizontalFlip()]
     if size and size != side:
         steps.append(T.Resize((size, size), antialias=True))
-    steps.append(T.Normalize(list(mean), list(std)))
+    steps.append(ConvertingNormalize(list(mean), list(std)))
     if random_erasing and augment:
         steps.append(T.RandomErasing(random_erasing))
     return T.Compose(steps)
+
+
+class ConvertingNormalize(T.Normalize):
+    """Normalize, the image first converted to a channel for each value of the mean (data.channels), as
+    to_model_input converts on the device."""
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        return super().forward(to_channels(tensor, len(self.mean)))
 
 
 def pixels_transform() -> T.Compose:

@@ -10,7 +10,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
-from accel_train.data.imagefolder import imagefolder_finish, imagefolder_transform
+from accel_train.data.imagefolder import imagefolder_finish, imagefolder_shape, imagefolder_transform
 from accel_train.data.in_memory import to_model_input
 from accel_train.data.torchvision_sets import SOURCES, normalization
 from accel_train.errors import UserError
@@ -21,10 +21,9 @@ def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tens
     """How evaluation turns one image into the model's input (channels, size, normalisation), and that input's
     shape where it is known without an image: what accel-train predict applies to each file."""
     if cfg.name == "imagefolder" or source_of(cfg.name) == "hf":  # the evaluation transform, then the device's
-        # scaling and normalisation, per image
-        size = cfg.image_size or 224
+        # scaling, channels and normalisation, per image
         transform, finish = imagefolder_transform(cfg, train=False), imagefolder_finish(cfg)
-        return (lambda image: finish.images(transform(image))), (3, size, size)
+        return (lambda image: finish.images(transform(image))), imagefolder_shape(cfg)
     if is_import_path(cfg.name):
         return user_image_transform(cfg), None
     if cfg.name == "shards":
@@ -41,13 +40,14 @@ def image_converter(cfg: DataConfig) -> tuple[Callable[[Image.Image], torch.Tens
     mean, std = (torch.tensor(values).view(1, -1, 1, 1) for values in normalization(cfg, source))
 
     def convert(image: Image.Image) -> torch.Tensor:
-        # As the dataset's own images: its channels at its own resolution, then the eval data's resize and scaling.
+        # As the dataset's own images: its channels at its own resolution, then the eval data's resize, scaling and
+        # the channels the model is given (as many as mean has values).
         image = image.convert("L" if channels == 1 else "RGB")
         if image.size != (width, height):
             image = image.resize((width, height), Image.Resampling.BILINEAR)
         return to_model_input(v2.functional.pil_to_tensor(image)[None], size, mean, std)[0]
 
-    return convert, (channels, size, size)
+    return convert, (mean.shape[1], size, size)
 
 
 def user_image_transform(cfg: DataConfig) -> Callable[[Image.Image], torch.Tensor]:

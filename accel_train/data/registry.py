@@ -58,10 +58,11 @@ DATASETS: Registry[Data] = Registry("dataset", "data.name")
 
 
 def given_normalization(cfg: DataConfig, channels: int) -> tuple[tuple, tuple] | None:
-    """data.mean / data.std (set by the user, or from pretrained weights), checked against the images' channels."""
+    """data.mean / data.std (set by the user, or from pretrained weights), checked against the channels of the images
+    the model is given."""
     if cfg.mean is None and cfg.std is None:
         return None
     if cfg.mean is None or cfg.std is None or len(cfg.mean) != channels or len(cfg.std) != channels:
-        raise UserError(f"data.mean={cfg.mean} and data.std={cfg.std}: give both, one value per channel of "
-                        f"{cfg.name}'s {channels}-channel images")
+        raise UserError(f"data.mean={cfg.mean} and data.std={cfg.std}: give both, one value per channel of the "
+                        f"{channels}-channel images {cfg.name} gives the model")
     return tuple(cfg.mean), tuple(cfg.std)

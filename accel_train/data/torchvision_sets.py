@@ -14,6 +14,7 @@ import torchvision
 from torchvision.transforms import v2
 
 from accel_train.config import DataConfig
+from accel_train.data.channels import converted_normalization, model_channels
 from accel_train.data.in_memory import InMemoryImages
 from accel_train.data.registry import (
     DATASETS,
@@ -136,14 +137,16 @@ def in_memory_dataset(cfg: DataConfig, name: str, train: bool) -> Data:
     size = cfg.image_size or source.shape[-1]
     mean, std = normalization(cfg, source)
     dataset = InMemoryImages(images, labels, mean, std, augment=train and cfg.augment, size=size)
-    return Data(dataset, source.num_classes, (source.shape[0], size, size), classes)
+    return Data(dataset, source.num_classes, (len(mean), size, size), classes)
 
 
 def normalization(cfg: DataConfig, source: TorchvisionSource) -> tuple[tuple, tuple]:
-    channels = len(source.mean)
+    """The mean and std the images are normalised by, one value a channel the model is given (data.channels: the
+    images are converted to as many, data/channels.py)."""
+    channels = model_channels(cfg, source.shape[0], f"data.name={cfg.name}")
     if not cfg.normalize:
         return (0.0,) * channels, (1.0,) * channels
-    return given_normalization(cfg, channels) or (source.mean, source.std)
+    return given_normalization(cfg, channels) or converted_normalization(source.mean, source.std, channels)
 
 
 for _name in SOURCES:

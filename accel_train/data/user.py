@@ -47,4 +47,10 @@ def from_dataset(dataset, cfg: DataConfig, train: bool, where: str) -> Data:
     with building(where, data=True, doing="reading its first sample"):
         first = dataset[0]
     inputs = first[0] if isinstance(first, (tuple, list)) else first
-    return Data(dataset, num_classes, tuple(inputs.shape) if torch.is_tensor(inputs) else (), classes, first)
+    shape = tuple(inputs.shape) if torch.is_tensor(inputs) else ()
+    if cfg.channels is not None and len(shape) == 3 and shape[0] != cfg.channels:
+        raise UserError(f"data.channels={cfg.channels} (the channels the model takes): {where} gives "
+                        f"{shape[0]}-channel inputs {shape}, which a dataset of one's own makes itself (accel-train "
+                        f"converts none); give the model {cfg.channels}-channel inputs, or choose a model that takes "
+                        f"{shape[0]}")
+    return Data(dataset, num_classes, shape, classes, first)

@@ -10,6 +10,7 @@ Hugging Face cache; what the cache lacks is one line naming the repository, exit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import pickle
@@ -98,13 +99,17 @@ def check(cfg: ModelConfig) -> None:
 
 
 def input_defaults(cfg: ModelConfig) -> InputDefaults:
-    """What the repository's image processor expects of its inputs; nothing where it has none."""
+    """What the repository's image processor expects of its inputs (nothing where it has none), and the channels
+    its config builds the model for."""
+    with loading(cfg, "reading its config") as transformers:
+        channels = getattr(transformers.AutoConfig.from_pretrained(repository(cfg), **_source(cfg)), "num_channels",
+                           None)
     with loading(cfg, "reading its image processor") as transformers:
         try:
             processor = transformers.AutoImageProcessor.from_pretrained(repository(cfg), **_source(cfg))
         except OSError:  # no preprocessor_config.json: the data's own defaults
-            return InputDefaults()
-    return processor_defaults(processor)
+            return InputDefaults(channels=channels)
+    return dataclasses.replace(processor_defaults(processor), channels=channels)
 
 
 def processor_defaults(processor) -> InputDefaults:

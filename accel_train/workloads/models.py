@@ -87,15 +87,20 @@ def model_source(cfg: ModelConfig):
     return None
 
 
+TORCHVISION_CHANNELS = 3  # torchvision's classification models are built for RGB, their constructors take no other
+
+
 def input_defaults(cfg: ModelConfig) -> InputDefaults:
     """What the model expects of its inputs: a Hub model's processor's, timm's pretrained_cfg, torchvision's
-    pretrained weights' normalisation; nothing for the others."""
+    pretrained weights' normalisation and RGB; nothing for the others (built for the data's channels)."""
     source = model_source(cfg)
     if source is not None:
         return source.input_defaults(cfg)
+    if cfg.name in MODELS or is_import_path(cfg.name) or is_given_object(cfg.name):
+        return InputDefaults()
     if cfg.pretrained:
-        return InputDefaults(None, *weights_normalization(cfg.name))
-    return InputDefaults()
+        return InputDefaults(None, *weights_normalization(cfg.name), channels=TORCHVISION_CHANNELS)
+    return InputDefaults(channels=TORCHVISION_CHANNELS)
 
 
 def check_model(cfg: ModelConfig) -> None:

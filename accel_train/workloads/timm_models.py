@@ -75,9 +75,10 @@ def input_defaults(cfg: ModelConfig) -> InputDefaults:
     values = pretrained_cfg(cfg)
     size = values.get("test_input_size") or values.get("input_size")
     interpolation = values.get("interpolation")
+    channels = cfg.args.get("in_chans") or (int(values["input_size"][0]) if values.get("input_size") else None)
     return InputDefaults(int(size[-1]) if size else None, list(values["mean"]) if values.get("mean") else None,
                          list(values["std"]) if values.get("std") else None, values.get("crop_pct"),
-                         interpolation if interpolation in ("bilinear", "bicubic") else None)
+                         interpolation if interpolation in ("bilinear", "bicubic") else None, channels)
 
 
 def build(cfg: ModelConfig, num_classes: int, classes: list[str] | None) -> nn.Module:

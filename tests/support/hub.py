@@ -17,20 +17,20 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 def tiny_vit(folder: Path, classes: list[str] | None = None, side: int = 16, mean: float = 0.5,
-             dropout: float = 0.0) -> Path:
-    """A ViT of a few thousand parameters (16 px, 4 px patches) with a ViT image processor: 16x16, mean `mean`;
-    `dropout` its hidden layers' (nn.Dropout) probability."""
+             dropout: float = 0.0, channels: int = 3) -> Path:
+    """A ViT of a few thousand parameters (16 px, 4 px patches) for images of `channels` channels with a ViT image
+    processor: 16x16, mean `mean`; `dropout` its hidden layers' (nn.Dropout) probability."""
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     classes = classes or ["cat", "dog"]
-    config = ViTConfig(image_size=side, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       intermediate_size=32, hidden_dropout_prob=dropout, num_labels=len(classes),
-                       id2label=dict(enumerate(classes)),
+    config = ViTConfig(image_size=side, patch_size=4, num_channels=channels, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=dropout,
+                       num_labels=len(classes), id2label=dict(enumerate(classes)),
                        label2id={name: index for index, name in enumerate(classes)})
     with torch.random.fork_rng():  # the same weights whatever the global stream holds: a test's numbers are fixed
         torch.manual_seed(0)
         ViTForImageClassification(config).save_pretrained(folder)
-    ViTImageProcessor(size={"height": side, "width": side}, image_mean=[mean] * 3, image_std=[0.25] * 3,
+    ViTImageProcessor(size={"height": side, "width": side}, image_mean=[mean] * channels, image_std=[0.25] * channels,
                       resample=3).save_pretrained(folder)
     return folder
 

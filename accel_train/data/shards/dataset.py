@@ -17,12 +17,14 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from accel_train.config import MAX_IMAGE_PIXELS, DataConfig
+from accel_train.data.channels import converted_normalization, model_channels
 from accel_train.data.classes import labelled_by
 from accel_train.data.decode import Crops, decode_image_bytes, decoded, open_image, shrunk
 from accel_train.data.imagefolder import (
     augments,
     crop_region_transform,
     imagefolder_finish,
+    imagefolder_shape,
     imagefolder_transform,
 )
 from accel_train.data.in_memory import (
@@ -248,10 +250,11 @@ def finish_of(cfg: DataConfig, index: SplitIndex):
 
 
 def _in_memory_normalization(cfg: DataConfig, index: SplitIndex) -> tuple[tuple, tuple]:
-    channels = index.channels
+    channels = model_channels(cfg, index.channels, f"data.root={cfg.root} (shards of {index.source})")
     if not cfg.normalize:
         return (0.0,) * channels, (1.0,) * channels
-    return given_normalization(cfg, channels) or recorded_normalization(index) or ((0.5,) * channels,) * 2
+    return given_normalization(cfg, channels) or converted_normalization(
+        *(recorded_normalization(index) or ((0.5,) * index.channels,) * 2), channels)
 
 
 def transform_of(cfg: DataConfig, index: SplitIndex, train: bool):
@@ -300,12 +303,11 @@ def as_pil_image(image) -> Image.Image:
 
 def input_shape(cfg: DataConfig, index: SplitIndex) -> tuple[int, ...]:
     if index.transforms == "imagefolder":
-        size = cfg.image_size or 224
-        return 3, size, size
+        return imagefolder_shape(cfg)
     if index.transforms == "as_written":
         return ()
     size = cfg.image_size or index.image_size
-    return index.channels, size, size
+    return len(_in_memory_normalization(cfg, index)[0]), size, size
 
 
 def image_mode(index: SplitIndex) -> str | None:

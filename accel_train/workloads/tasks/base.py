@@ -28,14 +28,16 @@ class Task:
         """Before any data loads: reject names and import paths this task cannot build, and resolve what the
         config leaves to them (the pretrained weights' normalisation)."""
         from accel_train.data import check_data_name
-        from accel_train.workloads.inputs import take_defaults
+        from accel_train.workloads.inputs import check_channels, take_defaults
         from accel_train.workloads.models import check_model, input_defaults
 
         check_data_name(config.data)
         check_model(config.model)
         # the inputs the model expects (its weights were trained on): the data keys left unset; recorded in
         # config.yaml, so eval, predict and a resume agree
-        take_defaults(config.data, input_defaults(config.model))
+        defaults = input_defaults(config.model)
+        take_defaults(config.data, defaults)
+        check_channels(config.data, defaults, config.model.name)
 
     def setup(self, config: Config, data: Data) -> None:
         """Once before training, evaluation or prediction, with the data the model is built for: keep what the
