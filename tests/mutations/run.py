@@ -563,7 +563,7 @@ MUTATIONS = [
     Mutation("an hf: dataset's ClassLabel taken by position, not by name (its evaluation split not relabelled)",
              "accel_train/data/hub.py", "    if train:\n        return data\n    return labelled_by(",
              "    if True:\n        return data\n    return labelled_by(",
-             ("tests/workloads/test_hub_models_and_datasets.py::test_an_hf_dataset_finds_its_columns_by_type_and_labels_its_evaluation_split_by_name",)),
+             ("tests/workloads/test_hub_models_and_datasets.py::test_an_hf_dataset_finds_its_columns_by_type_and_labels_each_split_by_the_names_it_was_written_with",)),
     Mutation("the image processor's mean and std ignored",
              "accel_train/workloads/hf_models.py",
              'mean, std = getattr(processor, "image_mean", None), getattr(processor, "image_std", None)',
@@ -746,6 +746,27 @@ MUTATIONS = [
              "accel_train/data/decode.py", "        finally:\n            Image.MAX_IMAGE_PIXELS = limit",
              "        finally:\n            pass",
              ("tests/data/test_images_over_the_pixel_limit_are_refused_before_decoding.py::test_the_limit_is_pils_own_by_default_a_key_with_its_meaning_and_pils_setting_stays_as_it_was",)),
+    # issue 67: labels by name on every hf: path; grey data for RGB models (data.channels)
+    Mutation("an hf: split's labels taken by position (each parquet or arrow file's integers read by the first "
+             "file's names)",
+             "accel_train/data/hub.py", "    return SplitLabels(mapped, own)", "    return SplitLabels(labels, names)",
+             ("tests/workloads/test_hub_models_and_datasets.py::test_an_hf_dataset_finds_its_columns_by_type_and_labels_each_split_by_the_names_it_was_written_with",
+              "tests/workloads/test_hub_models_and_datasets.py::test_an_hf_model_on_an_hf_dataset_trains_evaluates_and_predicts_by_its_classes_names")),
+    Mutation("an hf: image folder's training classes those of all its splits' folders (a test-only class trained on "
+             "in silence)",
+             "accel_train/data/hub.py", "    if rows.info.builder_name in FOLDER_BUILDERS:", "    if False:",
+             ("tests/workloads/test_hub_models_and_datasets.py::test_an_hf_evaluation_class_the_run_never_trained_on_is_one_line_exit_3_before_anything_trains",)),
+    Mutation("images given unconverted to a model that takes other channels (grey into resnet18's RGB stem)",
+             "accel_train/data/channels.py", "    if own == channels:\n        return images",
+             "    if True:\n        return images",
+             ("tests/data/test_image_channels_converted_for_the_model.py::test_resnet18_trains_on_fashion_mnist_as_given_and_eval_and_predict_of_its_run_agree",)),
+    Mutation("a torchvision model's channels left to the data's (its RGB stem fed one channel)",
+             "accel_train/workloads/models.py", "    return InputDefaults(channels=TORCHVISION_CHANNELS)",
+             "    return InputDefaults()",
+             ("tests/data/test_image_channels_converted_for_the_model.py::test_resnet18_trains_on_fashion_mnist_as_given_and_eval_and_predict_of_its_run_agree",)),
+    Mutation("the channels a model built for the data was given not recorded in config.yaml",
+             "accel_train/data/__init__.py", "        cfg.channels = train.image_shape[0]", "        pass",
+             ("tests/data/test_image_channels_converted_for_the_model.py::test_a_model_built_for_the_data_records_the_datas_channels_in_config_yaml",)),
 ]
 
 
