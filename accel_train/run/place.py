@@ -384,6 +384,14 @@ def linked(fetched: Path, folder: Path, meta: dict) -> str | None:
     return None
 
 
+class StagingClaimed(RunFolderHeld):
+    """Another process of this machine stages the run folder at this URL (Mirror.claim): `pid`, as it wrote it."""
+
+    def __init__(self, message: str, pid: str) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 class Worker:
     """Jobs run one at a time, in the order submitted, on a daemon thread: an upload that outlasts the end's bound
     must not hold the process (ThreadPoolExecutor's threads are joined at exit)."""
@@ -457,8 +465,9 @@ class Mirror:
                 os.close(fd)
                 if err.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
-                raise RunFolderHeld(held_line(self.url, self._lease(), f"its process {path.read_text().strip() or '?'}"
-                                              f" stages it here, in {self.staging}")) from None
+                pid = path.read_text().strip() or "?"
+                raise StagingClaimed(held_line(self.url, self._lease(), f"its process {pid} stages it here, in "
+                                                                        f"{self.staging}"), pid) from None
             try:
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:  # not removed by the claim's last holder meanwhile
                     break

@@ -358,3 +358,33 @@ def test_a_launcher_restart_takes_the_lease_of_its_killed_main_process_and_a_sec
     assert [start["launcher_restart"] for start in read_starts(out)] == [0, 1]
     assert "taking over the lease" not in log.read_text()  # the same writer: nothing to say
     assert train_steps(out) == list(range(1, 61)) and not (out / LEASE_FILE).exists()
+
+
+@pytest.mark.store
+def test_a_second_start_of_a_run_in_a_store_on_the_same_machine_is_refused_before_it_empties_the_holders_staging(
+        object_store, tmp_path, capsys):
+    """Each process claims its staging folder before a start empties it: a second `train` or `sweep` of the URL on
+    this machine is refused in one line, and the holder's staged files stay."""
+    from accel_train.cli import main
+
+    url, log = object_store.url("runs/staged"), tmp_path / "holder.log"
+    holder = start([PYTHON, "-c", "import sys, time; from accel_train.run.place import Mirror; mirror = "
+                    "Mirror(sys.argv[1], 5); mirror.claim(); mirror.pull(); (mirror.staging / 'metrics.jsonl')"
+                    ".write_text('{}'); print('claimed', flush=True); time.sleep(300)", url], log)
+    wait_for(lambda: "claimed" in log.read_text(), holder, log, timeout=60)
+    from accel_train.run.place import staging_of
+
+    staged = staging_of(url) / "process-0" / "metrics.jsonl"
+    for command, said in ((["train", *RUN[1:], f"output_dir={url}", "resume=auto"],
+                           f"accel-train: error: output_dir={url} is being written by another start (its process "
+                           f"{holder.pid} stages it here, in {staged.parent}): "),
+                          (["sweep", "mnist_cnn", "--trials", "2", "--metric", "accuracy",
+                            "train.lr=uniform(0.001,0.01)", f"output_dir={url}"],
+                           f"accel-train: error: sweep: another sweep (process {holder.pid}) is running in {url} on "
+                           "this machine; ")):
+        with pytest.raises(SystemExit) as stop:
+            main(command)
+        (line,) = capsys.readouterr().err.splitlines()
+        assert stop.value.code == 2 and line.startswith(said), line
+        assert staged.read_text() == "{}"
+    holder.kill()
