@@ -100,10 +100,11 @@ class Holder:
     def renewed(self) -> Holder:
         return replace(self, serial=self.serial + 1)
 
-    def described(self, age_s: float) -> str:
+    def described(self, age_s: float | None) -> str:
+        """Who it is, for a line; `age_s`: how long ago its lease was renewed (None: not said)."""
         job = f", job {self.job}" if self.job else ""
-        return (f"host {self.host}, pid {self.pid}, started {self.started.replace('T', ' ')}{job}, lease renewed "
-                f"{age_s:.0f} s ago")
+        renewed = f", lease renewed {age_s:.0f} s ago" if age_s is not None else ""
+        return f"host {self.host}, pid {self.pid}, started {self.started.replace('T', ' ')}{job}{renewed}"
 
     def is_gone(self) -> bool:
         """Its process has ended (or its pid is another process's now); False where that cannot be known here (another
@@ -122,11 +123,12 @@ class Holder:
             return False
 
 
-def held_line(shown: str, found: Versioned | None, otherwise: str = "", more: str = "") -> str:
-    """The refusal of a start into a run folder that another start writes: named by its lease (`found`), else as
-    `otherwise` says."""
+def held_line(shown: str, found: Versioned | None, otherwise: Holder | None = None, more: str = "") -> str:
+    """The refusal of a start into a run folder that another start writes: named by its lease (`found`), else by
+    `otherwise` (the holder of the run's staging on this machine, which may not have taken the lease yet)."""
     holder = Holder.of(found.data) if found is not None else None
-    who = holder.described(found.age_s) if holder is not None else otherwise
+    who = holder.described(found.age_s) if holder is not None else \
+        otherwise.described(None) if otherwise is not None else "its holder unknown"
     return (f"output_dir={shown} is being written by another start ({who}){more}: let it finish, or stop it (SIGTERM "
             "saves a checkpoint) and continue it with resume=auto; or pass another output_dir")
 

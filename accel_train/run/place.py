@@ -64,7 +64,7 @@ from accel_train.run.layout import (
     checkpoints_dir,
     usual_permissions,
 )
-from accel_train.run.lease import RunFolderHeld, held_line
+from accel_train.run.lease import Holder, RunFolderHeld, held_line
 from accel_train.storage import NoConditionalWrites, Store, StoreUnavailable, check_location, is_remote
 
 logger = logging.getLogger(__name__)
@@ -465,9 +465,9 @@ class Mirror:
                 os.close(fd)
                 if err.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
-                pid = path.read_text().strip() or "?"
-                raise StagingClaimed(held_line(self.url, self._lease(), f"its process {pid} stages it here, in "
-                                                                        f"{self.staging}"), pid) from None
+                claimant = Holder.of(path.read_bytes())
+                raise StagingClaimed(held_line(self.url, self._lease(), claimant),
+                                     str(claimant.pid) if claimant else "?") from None
             try:
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:  # not removed by the claim's last holder meanwhile
                     break
@@ -475,7 +475,7 @@ class Mirror:
                 pass
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, Holder.this_process().record(), 0)  # who stages it, for the refusal of another start
         self.claimed = fd
 
     def store_of(self, folder: str) -> Store:

@@ -285,7 +285,10 @@ def test_two_starts_into_one_folder_one_trains_and_the_other_exits_2_naming_it_a
         assert time.monotonic() < deadline, [log.read_text()[-2000:] for log in logs]
         time.sleep(0.02)
     (refused,) = [index for index, process in enumerate(both) if process.poll() is not None]
-    holder = lease_of(location)  # the other one's, which still trains
+    # the other one's, which still trains (in a store, the other may have been refused by its staging's claim, a
+    # moment before this one took the lease)
+    wait_for(lambda: lease_of(location) is not None, both[1 - refused], logs[1 - refused])
+    holder = lease_of(location)
     assert both[1 - refused].wait(timeout=240) == 0, logs[1 - refused].read_text()[-3000:]
 
     assert both[refused].returncode == 2, logs[refused].read_text()[-3000:]
@@ -375,9 +378,10 @@ def test_a_second_start_of_a_run_in_a_store_on_the_same_machine_is_refused_befor
     from accel_train.run.place import staging_of
 
     staged = staging_of(url) / "process-0" / "metrics.jsonl"
+    claimant = json.loads(staged.parent.with_name("process-0.claim").read_text())  # no lease taken: only staged
     for command, said in ((["train", *RUN[1:], f"output_dir={url}", "resume=auto"],
-                           f"accel-train: error: output_dir={url} is being written by another start (its process "
-                           f"{holder.pid} stages it here, in {staged.parent}): "),
+                           f"accel-train: error: output_dir={url} is being written by another start (host "
+                           f"{claimant['host']}, pid {holder.pid}, started {claimant['started'].replace('T', ' ')}): "),
                           (["sweep", "mnist_cnn", "--trials", "2", "--metric", "accuracy",
                             "train.lr=uniform(0.001,0.01)", f"output_dir={url}"],
                            f"accel-train: error: sweep: another sweep (process {holder.pid}) is running in {url} on "
