@@ -621,11 +621,13 @@ MUTATIONS = [
              "                if current is None or _digest(current) != version:\n                    return None\n"
              "                partial",
              "                if current is None:\n                    return None\n                partial",
-             ("tests/run_folder/test_one_writer_per_run_folder.py::test_of_two_starts_taking_over_an_expired_lease_ten_times_exactly_one_wins[local]",)),
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_a_lease_is_written_only_where_it_is_absent_or_still_the_version_read[local]",
+              "tests/run_folder/test_one_writer_per_run_folder.py::test_of_two_starts_taking_over_an_expired_lease_ten_times_exactly_one_wins[local]")),
     Mutation("an S3 lease replaced without If-Match (two takers of an expired lease both win)",
              "accel_train/storage.py", "lambda: self._put_if(name, data, IfMatch=version)",
              "lambda: self._put_if(name, data)",
-             ("tests/run_folder/test_one_writer_per_run_folder.py::test_of_two_starts_taking_over_an_expired_lease_ten_times_exactly_one_wins[s3]",)),
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_a_lease_is_written_only_where_it_is_absent_or_still_the_version_read[s3]",
+              "tests/run_folder/test_one_writer_per_run_folder.py::test_of_two_starts_taking_over_an_expired_lease_ten_times_exactly_one_wins[s3]")),
     Mutation("a run folder in a store staged without a claim (a second start on the machine empties the holder's "
              "staging)",
              "accel_train/run/place.py", "        mirror.claim()  # before the pull empties it",

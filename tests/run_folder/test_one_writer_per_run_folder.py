@@ -134,6 +134,20 @@ def test_of_two_starts_taking_over_an_expired_lease_ten_times_exactly_one_wins(w
 
 
 @pytest.mark.parametrize("where", WHERE)
+def test_a_lease_is_written_only_where_it_is_absent_or_still_the_version_read(where, stores):
+    """What the races above rest on, without their timing: of two takers that read one version, the second's write
+    (and a removal by a holder that lost it) is refused."""
+    store = stores(where)
+    first, second = live_start(), live_start(psutil.Process(os.getppid()))
+    assert store.create(LEASE_FILE, first.record()) and store.create(LEASE_FILE, second.record()) is None
+    read = store.read_versioned(LEASE_FILE)
+    assert store.replace(LEASE_FILE, second.record(), read.version)
+    assert store.replace(LEASE_FILE, first.renewed().record(), read.version) is None
+    assert not store.remove_version(LEASE_FILE, read.version)
+    assert lease_record(store)["token"] == second.token
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_a_lease_whose_process_has_ended_on_this_machine_is_taken_over_at_once_saying_whose_it_was(where, stores):
     store = stores(where)
     ended = live_start(process_started=1.0)  # this pid, but another process's: the one that had it has ended
