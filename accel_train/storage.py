@@ -541,11 +541,16 @@ def _answered_at(answer: dict):
     return parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
 
 
+LOCKED_FOR_S = 10.0  # a local conditional write waits this long for another's to end (each takes milliseconds)
+
+
 @contextmanager
 def _locked(path: Path):
     """The content of the local file at `path` (None where there is none), read while this process holds an exclusive
     flock of it; a file replaced or removed while the lock was awaited is opened again (the lock would be of a file
-    no longer there)."""
+    no longer there). Unlocked explicitly: a process forked meanwhile (a DataLoader worker) shares the descriptor,
+    and closing ours alone would leave the lock held by its copy."""
+    deadline = time.monotonic() + LOCKED_FOR_S
     while True:
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -553,7 +558,14 @@ def _locked(path: Path):
             yield None
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # polled, not waited for: a stopped holder must not stop this one for good
+                    if time.monotonic() > deadline:
+                        raise OSError(f"{path} stayed locked by another process for {LOCKED_FOR_S:.0f} s") from None
+                    time.sleep(0.005)
             try:
                 if os.stat(path).st_ino != os.fstat(fd).st_ino:
                     continue
@@ -563,4 +575,5 @@ def _locked(path: Path):
                 yield file.read()
             return
         finally:
-            os.close(fd)  # the lock ends with the file's last descriptor
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)

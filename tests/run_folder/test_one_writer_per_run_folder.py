@@ -406,3 +406,23 @@ def test_a_second_start_of_a_run_in_a_store_on_the_same_machine_is_refused_befor
         assert stop.value.code == 2 and line.startswith(said), line
         assert staged.read_text() == "{}"
     holder.kill()
+
+
+def test_a_process_forked_during_a_local_conditional_write_does_not_keep_the_lease_file_locked(tmp_path):
+    """A DataLoader worker forked while the renewal thread held the file's flock shares its descriptor: the write
+    unlocks it, so the next write (this process's, or another start's) does not wait for the worker to end."""
+    from accel_train import storage
+
+    store = Store(str(tmp_path), "output_dir")
+    version = store.create(LEASE_FILE, live_start().record())
+    with storage._locked(tmp_path / LEASE_FILE):
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the forked worker, which outlives the write
+            time.sleep(3)
+            os._exit(0)
+    try:
+        started = time.monotonic()
+        assert store.replace(LEASE_FILE, live_start().record(), version)
+        assert time.monotonic() - started < 1
+    finally:
+        os.waitpid(child, 0)
