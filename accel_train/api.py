@@ -48,6 +48,7 @@ from accel_train.run.layout import (
     run_of,
     weights_folder,
 )
+from accel_train.run.lease import RunLease
 from accel_train.run.place import RunPlace, run_folder_patience
 from accel_train.run.read_cache import readable_run
 from accel_train.run.resume import check_resume
@@ -89,8 +90,10 @@ def train(recipe: str | Config, overrides: Sequence[str] = (), *, model: torch.n
     trackers = check_before_opening(config)
     # where the run folder lives: made once, handed to whoever needs it (a URL: the store checked, staging pulled)
     place = RunPlace.open(config.output_dir, run_folder_patience(config))
-    with refusals_leave_no_folder(place):
+    # one writer: the main process holds the folder's lease before anything reads or writes the run there
+    with refusals_leave_no_folder(place), RunLease.taken(config, place) as lease:
         task, sources = check_training(config, place, task)
+        lease.say_taken_over()
         from accel_train.training import loop
 
         return loop.train(config, task, sources, trackers, place, model=model, train_dataset=train_dataset,

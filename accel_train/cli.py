@@ -431,7 +431,7 @@ def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> None:
-    from accel_train.run.place import RunPlace
+    from accel_train.run.place import RunPlace, StagingClaimed
     from accel_train.storage import PATIENCE_S, check_url_form
     from accel_train.sweep.runner import LOCK_FILE, Sweep, run_sweep
     from accel_train.sweep.space import parse_space
@@ -445,7 +445,12 @@ def _sweep(args: argparse.Namespace) -> None:
     folder = given.get("output_dir") or str(Path("sweeps") / Path(args.recipe.rstrip("/")).stem)
     check_url_form(folder, "output_dir")
     # A sweep folder at a URL: mirrored whole (its study, logs and trial runs) from this machine's staging
-    place = RunPlace.open(folder, PATIENCE_S, whole=True, ignore=(LOCK_FILE,))
+    try:
+        place = RunPlace.open(folder, PATIENCE_S, whole=True, ignore=(LOCK_FILE,))
+    except StagingClaimed as claimed:  # as the sweep's own lock says it of a local folder
+        raise UserError(f"sweep: another sweep (process {claimed.pid}) is running in {folder} on this machine; let "
+                        f"it end, or stop it (kill {claimed.pid}: its trial saves a checkpoint), then run this again"
+                        ) from None
     try:
         run_sweep(Sweep(args.recipe, sorted(parameters, key=lambda p: p.key), fixed, args.metric,
                         args.direction or "max", args.seed, args.startup_trials, args.pruner, args.trials, place,

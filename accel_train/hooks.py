@@ -60,7 +60,8 @@ class Hooks:
         commit (the next save, or the end of the run), on every process (where this process's part is done)."""
 
     def process_ends(self, code: int) -> bool:
-        """A stuck process is about to end itself (os._exit) with `code`; False keeps it running (a test that trains
+        """A process is about to end itself (os._exit) with `code`: a stuck one (6), or one whose run folder's lease
+        another start took over or that could not renew it (2; 3 or 74); False keeps it running (a test that trains
         in its own process)."""
         return True
 

@@ -7,6 +7,8 @@ from a config; the storage libraries are extras (`pip install 'accel-train[s3]'`
 
 from __future__ import annotations
 
+import copy
+import fcntl
 import logging
 import os
 import re
@@ -15,8 +17,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from accel_train.errors import DataNotFoundError, UnreadableFileError, UserError
 
@@ -35,6 +38,19 @@ CLIENT_OPTIONS = {
 CLIENT_ATTRIBUTES = {"s3": {"retries": 2}}  # s3fs's own retry count is a class attribute
 PATIENCE_S = 60.0  # how long a store may stay unreachable before a read gives up (exit 3)
 _warned = threading.Event()  # one retry warning per process
+
+
+class Versioned(NamedTuple):
+    """An object as read, with what a conditional write compares (`version`) and how long ago it was written."""
+
+    data: bytes
+    version: str  # the store's ETag; a local file's sha256
+    age_s: float  # by the clock of the store: its LastModified against the Date of the answer (locally: the mtime)
+
+
+class NoConditionalWrites(Exception):
+    """This store, or the client library installed for it, cannot write an object only where it is absent or
+    unchanged (the text says which)."""
 
 
 class StoreUnavailable(DataNotFoundError):
@@ -184,13 +200,26 @@ class Store:
     """A folder at a local path or URL. Remote reads and writes are retried on transient errors, with backoff, for at
     most `patience_s`; the first retry in a process prints one line."""
 
-    def __init__(self, location: str, key: str = "data.root", patience_s: float = PATIENCE_S) -> None:
+    def __init__(self, location: str, key: str = "data.root", patience_s: float = PATIENCE_S,
+                 call_bound_s: float | None = None) -> None:
         self.location, self.key, self.patience_s = str(location).rstrip("/"), key, patience_s
+        self.call_bound_s = call_bound_s  # a conditional write's S3 call cut off after this long (the client's own
+        # timeouts and retries allow a silent store a minute), then retried within patience_s
         self.remote = is_remote(self.location)
         self._fs, self._pid = None, None  # the client, made in each process that uses it
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fs": None}
+
+    def sharing(self, location: str | None = None, *, patience_s: float | None = None,
+                call_bound_s: float | None = None) -> Store:
+        """A Store of this one's client (made once: 0.3 to 0.7 s for S3) at `location`, or here, with other bounds."""
+        other = copy.copy(self)
+        other._fs, other._pid = self.fs, self._pid  # made here if not yet; copy.copy (__getstate__) drops it
+        other.location = self.location if location is None else str(location).rstrip("/")
+        other.patience_s = self.patience_s if patience_s is None else patience_s
+        other.call_bound_s = call_bound_s
+        return other
 
     @property
     def fs(self):
@@ -340,6 +369,129 @@ class Store:
         self.retrying(lambda: self.fs.rm_file(self._path(name)) if self.fs.exists(self._path(name)) else None,
                       self.url(name), "remove")
 
+    # Conditional writes, for an object that one writer at a time owns (a run folder's lease): S3's If-None-Match and
+    # If-Match (fsspec has none at pyproject's floors, so S3's own calls go through s3fs's client); a local folder's
+    # file created by link() (which fails where the name exists) and replaced under an flock of the file, where the
+    # content read first must still be there.
+
+    def read_versioned(self, name: str) -> Versioned | None:
+        """The object with its version and age; None where there is none."""
+        if not self.remote:
+            path = Path(self.url(name))
+            try:
+                with open(path, "rb") as file:
+                    data, written = file.read(), os.fstat(file.fileno()).st_mtime
+            except FileNotFoundError:
+                return None
+            return Versioned(data, _digest(data), time.time() - written)
+
+        def attempt() -> Versioned | None:
+            try:
+                answer = self._s3("get_object", name)
+            except _S3Refused as refused:
+                if refused.status == 404:
+                    return None
+                raise refused.error from None
+            age = (_answered_at(answer) - answer["LastModified"]).total_seconds()
+            return Versioned(answer["Body"], answer["ETag"], age)
+        return self.retrying(attempt, self.url(name))
+
+    def create(self, name: str, data: bytes) -> str | None:
+        """The object written only where there is none: its version, or None where one is there."""
+        if not self.remote:
+            path = Path(self.url(name))
+            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+            partial.write_bytes(data)
+            try:
+                os.link(partial, path)  # atomic, and refused where the name exists (NFS too)
+            except FileExistsError:
+                return None
+            except OSError:  # a file system without hard links (a FUSE mount): created exclusively, then written
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                except FileExistsError:
+                    return None
+                with open(fd, "wb") as file:
+                    file.write(data)
+            finally:
+                partial.unlink()
+            return _digest(data)
+        return self.retrying(lambda: self._put_if(name, data, IfNoneMatch="*"), self.url(name), "write")
+
+    def replace(self, name: str, data: bytes, version: str) -> str | None:
+        """The object written only where it is still the one of `version`: its new version, or None where it has
+        changed or is gone."""
+        if not self.remote:
+            path = Path(self.url(name))
+            with _locked(path) as current:
+                if current is None or _digest(current) != version:
+                    return None
+                partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+                partial.write_bytes(data)
+                partial.replace(path)
+            return _digest(data)
+        return self.retrying(lambda: self._put_if(name, data, IfMatch=version), self.url(name), "write")
+
+    def remove_version(self, name: str, version: str) -> bool:
+        """The object removed where it is still the one of `version`; whether it was. In a store, its version is
+        read first and it is removed if that is still `version`: S3 stores need not honour a conditional delete."""
+        if not self.remote:
+            path = Path(self.url(name))
+            with _locked(path) as current:
+                if current is None or _digest(current) != version:
+                    return False
+                path.unlink()
+            return True
+        found = self.read_versioned(name)
+        if found is None or found.version != version:
+            return False
+        self.remove(name)
+        return True
+
+    def _put_if(self, name: str, data: bytes, **condition: str) -> str | None:
+        try:
+            return self._s3("put_object", name, Body=data, **condition)["ETag"]
+        except _S3Refused as refused:
+            if refused.status in (404, 412):  # gone, or another version (or there, for If-None-Match)
+                return None
+            raise refused.error from None
+
+    def _s3(self, method: str, name: str, **arguments):
+        """One call of the S3 API on the object `name`, through s3fs's own client (so with its credentials and
+        endpoint); a refusal of the store (4xx) raised as _S3Refused, the rest as the client raised it."""
+        if protocol_of(self.location) not in ("s3", "s3a"):
+            raise NoConditionalWrites(f"{protocol_of(self.location)}:// (accel-train makes conditional writes on s3:// "
+                                      "only)")
+        from botocore.exceptions import ClientError
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        bucket, _, key = self._path(name).partition("/")
+        client = sync(fs.loop, fs.set_session)  # made once (credentials, endpoint): not within call_bound_s
+        known = client.meta.service_model.operation_model("PutObject").input_shape.members
+        if not {"IfNoneMatch", "IfMatch"} <= set(known):  # s3fs would drop them silently: an unconditional write
+            import botocore
+
+            raise NoConditionalWrites(f"botocore {botocore.__version__} has no conditional writes for S3 "
+                                      "(If-None-Match, If-Match: late 2024); pip install -U s3fs")
+
+        async def call():
+            try:
+                answer = await getattr(client, method)(Bucket=bucket, Key=key, **arguments)
+            except ClientError as err:
+                status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                # 409: a conditional write that met another under way, to be tried again
+                if 400 <= status < 500 and status not in (408, 409, 429) and \
+                        err.response.get("Error", {}).get("Code") != "NoSuchBucket":
+                    raise _S3Refused(status, err) from None
+                from s3fs.errors import translate_boto_error
+
+                raise translate_boto_error(err) from err  # s3fs's errors, as every other call of the store raises
+            if "Body" in answer:
+                answer["Body"] = await answer["Body"].read()
+            return answer
+        return sync(fs.loop, call, timeout=self.call_bound_s)
+
     def retrying(self, action: Callable[[], T], url: str, doing: str = "read") -> T:
         """`action()`, again after each transient error (backoff from 0.2 s, doubling up to 5 s) until it succeeds or
         `patience_s` has passed since the first failure: then one StoreUnavailable line naming `url`."""
@@ -374,3 +526,67 @@ class Store:
 
 class _WrongBytes(Exception):
     """Bytes that arrived but are not the ones asked for (a body cut short, another hash)."""
+
+
+class _S3Refused(Exception):
+    """The store refused an S3 call (4xx): its status, and the client's error translated as s3fs translates it
+    (a missing object, a refused permission), for the caller to raise where the status is not an answer."""
+
+    def __init__(self, status: int, error: Exception) -> None:
+        from s3fs.errors import translate_boto_error
+
+        super().__init__(str(error))
+        self.status, self.error = status, translate_boto_error(error)
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _answered_at(answer: dict):
+    """When the store answered, by its own clock (the Date header)."""
+    from datetime import datetime, timezone
+    from email.utils import parsedate_to_datetime
+
+    date = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    return parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
+
+
+LOCKED_FOR_S = 10.0  # a local conditional write waits this long for another's to end (each takes milliseconds)
+
+
+@contextmanager
+def _locked(path: Path):
+    """The content of the local file at `path` (None where there is none), read while this process holds an exclusive
+    flock of it; a file replaced or removed while the lock was awaited is opened again (the lock would be of a file
+    no longer there). Unlocked explicitly: a process forked meanwhile (a DataLoader worker) shares the descriptor,
+    and closing ours alone would leave the lock held by its copy."""
+    deadline = time.monotonic() + LOCKED_FOR_S
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # polled, not waited for: a stopped holder must not stop this one for good
+                    if time.monotonic() > deadline:
+                        raise OSError(f"{path} stayed locked by another process for {LOCKED_FOR_S:.0f} s") from None
+                    time.sleep(0.005)
+            try:
+                if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                    continue
+            except FileNotFoundError:
+                continue
+            with open(fd, "rb", closefd=False) as file:
+                yield file.read()
+            return
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)

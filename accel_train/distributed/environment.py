@@ -34,6 +34,9 @@ class LauncherEnvironment:
     uses_fsdp: bool  # the launch profile asks for FSDP (accelerate launch exports its fsdp_config this way)
     uses_agent_store: bool  # torchrun's elastic agent hands its own store to the workers
     socket_interfaces: dict[str, str] = field(default_factory=dict)  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
+    # The launcher's name for the job (torchrun's --rdzv_id, or the id a single-machine torchrun draws; the same for
+    # every restart and every machine of the job); None where it names nothing (accelerate launch's "none")
+    run_id: str | None = None
 
     @property
     def is_reporting_process(self) -> bool:
@@ -61,6 +64,7 @@ def launcher_environment() -> LauncherEnvironment:
         uses_fsdp=env.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
         uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         socket_interfaces={name: env[name] for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if env.get(name)},
+        run_id=env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None,
     )
 
 
@@ -78,6 +82,19 @@ def staging_root() -> Path:
 def host_name() -> str:
     """This machine's name, as a run's records and reports give it."""
     return socket.gethostname()
+
+
+def machine_identity() -> str:
+    """What tells this machine's process ids apart from another's: the host name, the kernel's boot id and this
+    process's pid namespace (two containers of one host share a host name, not their pids); the host name alone
+    where /proc does not say."""
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        pass
+    return " ".join(parts)
 
 
 def plain_process_env(threads: int | None = None) -> dict:

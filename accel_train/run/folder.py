@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import socket
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from accel_train.config import CONFIG_FILE, Config, save_config
 from accel_train.distributed.environment import launcher_environment
-from accel_train.errors import UserError, storage_error, writing
+from accel_train.errors import UserError, writing
 from accel_train.run.layout import (
     CLASSES_FILE,
     CURVES_FILE,
@@ -52,18 +51,7 @@ def refusals_leave_no_folder(place: RunPlace):
 def check_output_dir(config: Config, place: RunPlace) -> None:
     """Before any data loads: output_dir is a folder this process can write, and a run's results already there
     are continued (resume=auto), never silently overwritten (HF Trainer refuses a non-empty output_dir too)."""
-    folder = place.folder  # for a URL, this process's staging folder, pulled from the store
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"output_dir={config.output_dir} is a file, not a folder; pass a folder for the run's results")
-    unwritable = "choose an output_dir you can write"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"output_dir={config.output_dir}: a part of this path is a file, not a folder") from None
-    except OSError as err:
-        raise storage_error(folder, "creating output_dir", err, unwritable) from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise storage_error(folder, "creating output_dir", PermissionError(13, "Permission denied"), unwritable)
+    folder = place.make_folder(config.output_dir)
     continues = config.resume == "auto" or (config.resume is not None and resume_folder(
         config, place).resolve().parent == checkpoints_dir(folder).resolve())
     held = held_results(folder)

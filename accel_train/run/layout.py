@@ -13,6 +13,7 @@ A run folder (output_dir) is the unit users pass around (`eval RUN`, `predict RU
     trackers/                 every tracker's local files (TensorBoard events, mlruns, .aim)
     stuck/                    after a stall (train.stuck_after_s): process-P.txt, each process's stacks, beside
                               process-P.json (where it was) and report.json (the main process's line)
+    .lease                    while a start trains: who writes the folder (run/lease.py); removed at its end
 
 No torch import here: `runs`, `plot` and the checks before training read run folders before torch loads.
 """
@@ -39,6 +40,7 @@ CURVES_FILE = "curves.png"
 CHECKPOINTS_DIR = "checkpoints"
 TRACKERS_DIR = "trackers"
 CHECKPOINT_META_FILE = "checkpoint.json"
+LEASE_FILE = ".lease"  # a dot file: the mirror to a store and the read cache leave it out
 LOOP_STATE_FILE = "loop_state_{process}.json"  # one per process: the state of the loop's parts on that process
 
 

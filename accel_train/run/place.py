@@ -25,6 +25,8 @@ checkpoint is committed (so a resume finds every line its checkpoint had seen), 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from accel_train.config import CONFIG_FILE
 from accel_train.distributed.environment import launcher_environment, staging_root
+from accel_train.errors import UserError, storage_error
 from accel_train.run.checkpoint_files import (
     PART_DONE,
     PARTIAL_PREFIX,
@@ -54,13 +57,15 @@ from accel_train.run.layout import (
     CHECKPOINT_META_FILE,
     CHECKPOINTS_DIR,
     CLASSES_FILE,
+    LEASE_FILE,
     METRICS_FILE,
     STARTS_FILE,
     TRACKERS_DIR,
     checkpoints_dir,
     usual_permissions,
 )
-from accel_train.storage import Store, StoreUnavailable, check_location, is_remote
+from accel_train.run.lease import Holder, RunFolderHeld, held_line
+from accel_train.storage import NoConditionalWrites, Store, StoreUnavailable, check_location, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +96,23 @@ class RunPlace(ABC):
     def __init__(self, folder: Path, worker: Worker) -> None:
         self.folder, self.worker, self.checkpoints = folder, worker, checkpoints_dir(folder)
 
+    def make_folder(self, shown: str) -> Path:
+        """`folder` made where it is not there, as a folder this process can write (`shown`: output_dir as given, for
+        the line that says it cannot be); the folder."""
+        folder = self.folder
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"output_dir={shown} is a file, not a folder; pass a folder for the run's results")
+        unwritable = "choose an output_dir you can write"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UserError(f"output_dir={shown}: a part of this path is a file, not a folder") from None
+        except OSError as err:
+            raise storage_error(folder, "creating output_dir", err, unwritable) from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise storage_error(folder, "creating output_dir", PermissionError(13, "Permission denied"), unwritable)
+        return folder
+
     @staticmethod
     def open(output_dir: str | Path, patience_s: float, *, whole: bool = False,
              ignore: tuple[str, ...] = ()) -> RunPlace:
@@ -100,10 +122,11 @@ class RunPlace(ABC):
         staged that never go to the store."""
         output_dir = str(output_dir)
         if not is_remote(output_dir):
-            return LocalPlace(output_dir)
+            return LocalPlace(output_dir, patience_s)
         check_location(output_dir, "output_dir")
         mirror = Mirror(output_dir, patience_s, whole=whole, ignore=ignore)
         mirror.store.names()  # access problems answer here, before any data loads
+        mirror.claim()  # before the pull empties it: another start of the run here may be staging in it
         mirror.pull()
         return StorePlace(mirror)
 
@@ -123,6 +146,10 @@ class RunPlace(ABC):
     def drain(self, bound_s: float) -> bool:
         """Whether everything written so far has reached where the run lives, waiting at most `bound_s` (in a store:
         then this process's staging is removed)."""
+
+    @abstractmethod
+    def lease_store(self) -> Store:
+        """Where the run folder's lease lives (run/lease.py): the folder itself, or the run's URL."""
 
     @abstractmethod
     def store_of(self, folder: str) -> Store | None:
@@ -177,8 +204,9 @@ class LocalPlace(RunPlace):
 
     save_verb, shared = "written", True
 
-    def __init__(self, output_dir: str) -> None:
+    def __init__(self, output_dir: str, patience_s: float) -> None:
         super().__init__(Path(output_dir), Worker("accel-train checkpoint"))
+        self.patience_s = patience_s
 
     def shown(self, path: Path) -> str:
         return str(path)
@@ -191,6 +219,9 @@ class LocalPlace(RunPlace):
 
     def drain(self, bound_s: float) -> bool:
         return True
+
+    def lease_store(self) -> Store:
+        return Store(str(self.folder), "output_dir", self.patience_s)
 
     def store_of(self, folder: str) -> None:
         return None
@@ -256,6 +287,9 @@ class StorePlace(RunPlace):
 
     def drain(self, bound_s: float) -> bool:
         return self.mirror.drain(bound_s)
+
+    def lease_store(self) -> Store:
+        return self.mirror.store
 
     def store_of(self, folder: str) -> Store:
         return self.mirror.store_of(folder)
@@ -350,6 +384,14 @@ def linked(fetched: Path, folder: Path, meta: dict) -> str | None:
     return None
 
 
+class StagingClaimed(RunFolderHeld):
+    """Another process of this machine stages the run folder at this URL (Mirror.claim): `pid`, as it wrote it."""
+
+    def __init__(self, message: str, pid: str) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 class Worker:
     """Jobs run one at a time, in the order submitted, on a daemon thread: an upload that outlasts the end's bound
     must not hold the process (ThreadPoolExecutor's threads are joined at exit)."""
@@ -407,6 +449,34 @@ class Mirror:
         self.sent: dict[str, tuple[int, int]] = {}  # staged file -> (size, mtime) of what the store has
         self.partial_checkpoints: list[str] = []
         self.last_sync, self.sync_pending, self.warned = 0.0, False, False
+        self.claimed: int | None = None  # the descriptor that holds this process's claim on its staging folder
+
+    def claim(self) -> None:
+        """This process's staging folder claimed for as long as it stages the run (a POSIX lock of a file beside it:
+        released when the process ends, however it ends, and not held by the processes it forks): another start of
+        the run on this machine, which would empty it, is refused in one line naming the start there."""
+        path = self.staging.with_name(f"{self.staging.name}.claim")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                os.close(fd)
+                if err.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                claimant = Holder.of(path.read_bytes())
+                raise StagingClaimed(held_line(self.url, self._lease(), claimant),
+                                     str(claimant.pid) if claimant else "?") from None
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:  # not removed by the claim's last holder meanwhile
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, Holder.this_process().record(), 0)  # who stages it, for the refusal of another start
+        self.claimed = fd
 
     def store_of(self, folder: str) -> Store:
         """A folder of the run in the store, reached directly (the watchdog's stuck/: where processes that share no
@@ -479,10 +549,21 @@ class Mirror:
                   f"continues from there")
         return False
 
+    def _lease(self):
+        """The run's lease as the store has it (run/lease.py), or None (none, or a store without conditional writes)."""
+        try:
+            return self.store.read_versioned(LEASE_FILE)
+        except NoConditionalWrites:
+            return None
+
     def discard(self) -> None:
-        """This process's staging folder removed (the store holds the run), and the machine's folder for the URL
-        once no process of it has one there any more."""
+        """This process's staging folder removed (the store holds the run), its claim given up, and the machine's
+        folder for the URL once no process of it has one there any more."""
         shutil.rmtree(self.staging, ignore_errors=True)
+        if self.claimed is not None:
+            self.staging.with_name(f"{self.staging.name}.claim").unlink(missing_ok=True)
+            os.close(self.claimed)
+            self.claimed = None
         try:
             self.staging.parent.rmdir()
         except OSError:  # another process of this machine still stages the run (or fetched a checkpoint there)

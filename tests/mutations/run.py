@@ -767,6 +767,42 @@ MUTATIONS = [
     Mutation("the channels a model built for the data was given not recorded in config.yaml",
              "accel_train/data/__init__.py", "        cfg.channels = train.image_shape[0]", "        pass",
              ("tests/data/test_image_channels_converted_for_the_model.py::test_a_model_built_for_the_data_records_the_datas_channels_in_config_yaml",)),
+    # Issue 66, item 4: one writer per run folder (run/lease.py)
+    Mutation("the lease check skipped (a live holder's lease ignored: a second start into its folder trains too)",
+             "accel_train/run/lease.py", "            raise RunFolderHeld(held_line(self.shown, found))",
+             "            return",
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_of_two_starts_racing_for_a_run_folder_ten_times_exactly_one_holds_it_and_the_other_is_refused_naming_it[local]",
+              "tests/run_folder/test_one_writer_per_run_folder.py::test_two_starts_into_one_folder_one_trains_and_the_other_exits_2_naming_it_and_metrics_stay_whole[local]")),
+    Mutation("a holder whose process has ended kept until its lease expires (kill -9, then resume=auto refused)",
+             "accel_train/run/lease.py", "    if holder.is_gone():\n        return GONE",
+             "    if False:\n        return GONE",
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_a_lease_whose_process_has_ended_on_this_machine_is_taken_over_at_once_saying_whose_it_was[local]",)),
+    Mutation("a lease of this job not waited for (an elastic restart whose main process moved is refused)",
+             "accel_train/run/lease.py", "    if (me.job is not None and holder.job == me.job) or me.restart > 0:",
+             "    if False:",
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_a_restart_by_the_launcher_is_the_same_writer_and_an_independent_start_on_the_same_port_is_another",
+              "tests/run_folder/test_one_writer_per_run_folder.py::test_a_live_holder_on_another_machine_is_refused_at_once_and_one_of_this_job_is_waited_for_until_it_expires")),
+    Mutation("a start whose lease was taken over writes on",
+             "accel_train/run/lease.py", "        self.on_lost(code)", "        pass",
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_a_start_whose_lease_was_taken_over_stops_at_its_next_renewal[local]",)),
+    Mutation("a local lease replaced without comparing it to the version read (two takers of an expired lease both "
+             "win)",
+             "accel_train/storage.py",
+             "                if current is None or _digest(current) != version:\n                    return None\n"
+             "                partial",
+             "                if current is None:\n                    return None\n                partial",
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_a_lease_is_written_only_where_it_is_absent_or_still_the_version_read[local]",
+              "tests/run_folder/test_one_writer_per_run_folder.py::test_of_two_starts_taking_over_an_expired_lease_ten_times_exactly_one_wins[local]")),
+    Mutation("an S3 lease replaced without If-Match (two takers of an expired lease both win)",
+             "accel_train/storage.py", "lambda: self._put_if(name, data, IfMatch=version)",
+             "lambda: self._put_if(name, data)",
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_a_lease_is_written_only_where_it_is_absent_or_still_the_version_read[s3]",
+              "tests/run_folder/test_one_writer_per_run_folder.py::test_of_two_starts_taking_over_an_expired_lease_ten_times_exactly_one_wins[s3]")),
+    Mutation("a run folder in a store staged without a claim (a second start on the machine empties the holder's "
+             "staging)",
+             "accel_train/run/place.py", "        mirror.claim()  # before the pull empties it",
+             "        pass  # before the pull empties it",
+             ("tests/run_folder/test_one_writer_per_run_folder.py::test_two_starts_into_one_folder_one_trains_and_the_other_exits_2_naming_it_and_metrics_stay_whole[s3]",)),
 ]
 
 

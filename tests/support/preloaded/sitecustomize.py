@@ -51,7 +51,8 @@ def _hand_over() -> None:
         os._exit(1)
     status = int(line[1])
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        if os.WTERMSIG(status) != signal.SIGKILL:  # SIGKILL's action cannot be set: signal() raises, and the command
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)  # would then start again here, as a fresh interpreter
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
